@@ -1,0 +1,100 @@
+"""Backend selection. The only package of the library that imports torch or MindSpore."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import threading
+
+from hyper_parallel.platform.base import (
+    CompletedHandle,
+    Communicator,
+    ForwardRecord,
+    Group,
+    Handle,
+    P2POp,
+    Platform,
+)
+
+PLATFORM_NAMES = ("torch", "mindspore")
+_logger = logging.getLogger("hyper_parallel")
+_global_platform: Platform | None = None
+_thread_state = threading.local()
+
+
+def _create(name: str) -> Platform:
+    if name == "torch":
+        from hyper_parallel.platform.torch import TorchPlatform
+
+        return TorchPlatform()
+    if name == "mindspore":
+        from hyper_parallel.platform.mindspore import MindSporePlatform
+
+        return MindSporePlatform()
+    raise ValueError(f"unknown platform {name!r}; valid platforms: {', '.join(PLATFORM_NAMES)}")
+
+
+def _choose_name() -> tuple[str, str]:
+    requested = os.environ.get("HYPER_PARALLEL_PLATFORM", "").strip().lower()
+    if requested:
+        if requested not in PLATFORM_NAMES:
+            raise ValueError(
+                f"HYPER_PARALLEL_PLATFORM={requested!r} is not a platform; valid platforms: "
+                f"{', '.join(PLATFORM_NAMES)}"
+            )
+        return requested, "HYPER_PARALLEL_PLATFORM"
+    for name in PLATFORM_NAMES:
+        if importlib.util.find_spec(name) is not None:
+            return name, "installed"
+    raise RuntimeError("neither torch nor mindspore is installed: pip install 'hyper-parallel[torch]'")
+
+
+def get_platform() -> Platform:
+    """The platform of the calling rank (a LocalCluster rank's own, else the process-wide one)."""
+    local = getattr(_thread_state, "platform", None)
+    if local is not None:
+        return local
+    global _global_platform
+    if _global_platform is None:
+        name, why = _choose_name()
+        _global_platform = _create(name)
+        _logger.info("hyper_parallel: using the %s platform (chosen by %s)", name, why)
+    return _global_platform
+
+
+def set_platform(platform: str | Platform | None) -> Platform | None:
+    """Choose the process-wide platform by name (``"torch"`` | ``"mindspore"``) or instance.
+
+    ``None`` forgets the choice so the next :func:`get_platform` chooses again.
+    """
+    global _global_platform
+    if platform is None:
+        _global_platform = None
+        return None
+    if isinstance(platform, str):
+        platform = _create(platform.strip().lower())
+    if not isinstance(platform, Platform):
+        raise TypeError(f"set_platform expects a name or a Platform, got {type(platform).__name__}")
+    _global_platform = platform
+    return platform
+
+
+def bind_thread_platform(platform: Platform | None) -> None:
+    """Make ``get_platform()`` return ``platform`` in the calling thread (LocalCluster ranks)."""
+    _thread_state.platform = platform
+
+
+__all__ = [
+    "PLATFORM_NAMES",
+    "CompletedHandle",
+    "Communicator",
+    "ForwardRecord",
+    "Group",
+    "Handle",
+    "P2POp",
+    "Platform",
+    "bind_thread_platform",
+    "get_platform",
+    "set_platform",
+]

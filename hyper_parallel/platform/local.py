@@ -1,0 +1,450 @@
+"""LocalCluster: a whole multi-rank job inside one process, for tests, dry runs and debugging.
+
+Each rank is a thread with its own :class:`Platform` (``get_platform()`` inside it reports
+that rank). Communication goes through in-memory mailboxes with the semantics of the real
+engines: sends are eager (the data is copied when the send is issued), the k-th receive
+posted on rank ``b`` from rank ``a`` gets the k-th message ``a`` sent to ``b`` (FIFO, as NCCL
+matches), and collectives meet when every rank of the group has called them.
+
+Exactly one rank runs at any moment: a rank holds the cluster lock while it computes and
+hands it over only while it waits for a message or a collective. MindSpore forbids two
+threads running autograd at once; this makes that impossible by construction, and makes a
+run deterministic.
+
+A rank that raises stops the others (their next wait raises) and ``run`` re-raises in the
+caller naming the rank. A wait that can never be satisfied fails at once with the state of
+every rank (deadlock detection); any wait also fails after ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hyper_parallel.platform import bind_thread_platform
+from hyper_parallel.platform.base import (
+    CompletedHandle,
+    Communicator,
+    Group,
+    Handle,
+    P2POp,
+    Platform,
+    check_reduce_op,
+    default_comm_timeout,
+)
+
+_NUMPY_REDUCE = {
+    "sum": lambda arrays: np.sum(arrays, axis=0),
+    "avg": lambda arrays: np.sum(arrays, axis=0) / len(arrays),
+    "max": lambda arrays: np.max(arrays, axis=0),
+    "min": lambda arrays: np.min(arrays, axis=0),
+    "prod": lambda arrays: np.prod(arrays, axis=0),
+}
+
+
+class ClusterAborted(RuntimeError):
+    """Raised in a rank's wait when another rank failed."""
+
+
+class DeadlockError(RuntimeError):
+    """Every live rank waits for something no rank can provide any more."""
+
+
+class RankFailedError(RuntimeError):
+    """A rank of a LocalCluster raised; the original exception is the ``__cause__``."""
+
+    def __init__(self, rank: int, error: BaseException) -> None:
+        super().__init__(f"rank {rank} failed: {type(error).__name__}: {error}")
+        self.rank = rank
+        self.error = error
+
+
+@dataclass
+class _Message:
+    payload: Any
+    tag: int
+    src: int
+
+
+@dataclass
+class _Mailbox:
+    """Messages from one rank to another, matched in order."""
+
+    messages: dict[int, _Message] = field(default_factory=dict)
+    sent: int = 0
+    posted: int = 0
+
+
+@dataclass
+class _Meeting:
+    """One collective call of a group: what each rank brought, then what each gets."""
+
+    kind: str
+    brought: dict[int, Any] = field(default_factory=dict)
+    results: dict[int, Any] | None = None
+
+
+class _ClusterState:
+    def __init__(self, world_size: int, timeout: float, detect_deadlock: bool) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self.detect_deadlock = detect_deadlock
+        self.cond = threading.Condition()
+        self.mailboxes: dict[tuple[int, int, str], _Mailbox] = {}
+        self.meetings: dict[tuple[tuple[int, ...], int], _Meeting] = {}
+        self.meeting_counts: dict[tuple[tuple[int, ...], int], int] = {}
+        self.waiting: dict[int, tuple[Callable[[], bool], str]] = {}
+        self.live: set[int] = set()
+        self.failure: tuple[int, BaseException] | None = None
+
+    def mailbox(self, src: int, dst: int, kind: str) -> _Mailbox:
+        key = (src, dst, kind)
+        box = self.mailboxes.get(key)
+        if box is None:
+            box = self.mailboxes[key] = _Mailbox()
+        return box
+
+    def wait_until(self, rank: int, ready: Callable[[], bool], what: str, timeout: float | None) -> None:
+        """Block (releasing the lock) until ``ready()``; the caller holds ``cond``."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        self.waiting[rank] = (ready, what)
+        try:
+            while not ready():
+                if self.failure is not None:
+                    raise ClusterAborted(f"rank {rank} stopped while {what}: rank {self.failure[0]} failed")
+                if self.detect_deadlock and self._nobody_can_progress():
+                    raise DeadlockError(self._describe_waits())
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"rank {rank} timed out after {limit:g}s {what}")
+                self.cond.wait(remaining)
+        finally:
+            del self.waiting[rank]
+
+    def _nobody_can_progress(self) -> bool:
+        if not self.live <= self.waiting.keys():
+            return False
+        return not any(ready() for ready, _ in self.waiting.values())
+
+    def _describe_waits(self) -> str:
+        lines = ["deadlock: every live rank is waiting for something no rank will provide"]
+        for rank in sorted(self.waiting):
+            lines.append(f"  rank {rank}: {self.waiting[rank][1]}")
+        finished = sorted(set(range(self.world_size)) - self.live)
+        if finished:
+            lines.append(f"  finished ranks: {finished}")
+        return "\n".join(lines)
+
+
+class _RecvHandle(Handle):
+    def __init__(self, comm: LocalCommunicator, buffer: Any, src: int, tag: int, ticket: int, kind: str) -> None:
+        self._comm = comm
+        self._buffer = buffer
+        self._src = src
+        self._tag = tag
+        self._ticket = ticket
+        self._kind = kind
+        self._done = False
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        with self._comm.state.cond:
+            return self._ticket in self._comm.state.mailbox(self._src, self._comm.rank, self._kind).messages
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._done:
+            return
+        state, me = self._comm.state, self._comm.rank
+        with state.cond:
+            box = state.mailbox(self._src, me, self._kind)
+            state.wait_until(
+                me,
+                lambda: self._ticket in box.messages,
+                f"receiving message #{self._ticket} from rank {self._src}",
+                timeout,
+            )
+            message = box.messages.pop(self._ticket)
+        self._comm.deliver(message, self._buffer, self._tag)
+        self._done = True
+
+
+class LocalCommunicator(Communicator):
+    """The in-memory transport of one LocalCluster rank."""
+
+    def __init__(self, state: _ClusterState, rank: int) -> None:
+        self.state = state
+        self._rank = rank
+        self._world = Group(tuple(range(state.world_size)))
+        self.platform: Platform | None = None  # set by LocalCluster right after creation
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self.state.world_size
+
+    @property
+    def world_group(self) -> Group:
+        return self._world
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        ranks = tuple(int(r) for r in ranks)
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad or len(set(ranks)) != len(ranks) or not ranks:
+            raise ValueError(f"invalid group ranks {list(ranks)} for world size {self.world_size}")
+        return self._world if ranks == self._world.ranks else Group(ranks, native=ranks)
+
+    @property
+    def _p(self) -> Platform:
+        assert self.platform is not None
+        return self.platform
+
+    def _check_peer(self, peer: int) -> None:
+        if not 0 <= peer < self.world_size or peer == self._rank:
+            raise ValueError(f"rank {self._rank}: invalid peer rank {peer} (world size {self.world_size})")
+
+    # P2P ----------------------------------------------------------------------------
+    def _post_send(self, payload: Any, dst: int, tag: int, kind: str) -> None:
+        self._check_peer(dst)
+        state = self.state
+        with state.cond:
+            box = state.mailbox(self._rank, dst, kind)
+            box.messages[box.sent] = _Message(payload, tag, self._rank)
+            box.sent += 1
+            state.cond.notify_all()
+
+    def _post_recv(self, src: int, kind: str) -> int:
+        self._check_peer(src)
+        with self.state.cond:
+            box = self.state.mailbox(src, self._rank, kind)
+            ticket = box.posted
+            box.posted += 1
+            return ticket
+
+    def deliver(self, message: _Message, buffer: Any, tag: int) -> None:
+        p = self._p
+        data = message.payload
+        if message.tag != tag:
+            raise ValueError(
+                f"rank {self._rank} expected tag {tag} from rank {message.src}, which sent tag {message.tag}"
+            )
+        if p.shape(data) != p.shape(buffer) or p.dtype_name(data) != p.dtype_name(buffer):
+            raise ValueError(
+                f"rank {message.src} sent {p.dtype_name(data)}{list(p.shape(data))} but rank {self._rank} "
+                f"posted a receive for {p.dtype_name(buffer)}{list(p.shape(buffer))}"
+            )
+        p.copy_(buffer, data)
+
+    def isend(self, tensor: Any, dst: int, group: Group | None = None, tag: int = 0) -> Handle:
+        self._post_send(self._p.clone(tensor), dst, tag, "tensor")
+        return CompletedHandle()
+
+    def irecv(self, tensor: Any, src: int, group: Group | None = None, tag: int = 0) -> Handle:
+        return _RecvHandle(self, tensor, src, tag, self._post_recv(src, "tensor"), "tensor")
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
+        return [
+            self.isend(op.tensor, op.peer, op.group, op.tag)
+            if op.op == "isend"
+            else self.irecv(op.tensor, op.peer, op.group, op.tag)
+            for op in ops
+        ]
+
+    # collectives --------------------------------------------------------------------
+    def _meet(self, kind: str, group: Group | None, brought: Any, combine: Callable[[dict[int, Any]], dict]) -> Any:
+        ranks = (group or self._world).ranks
+        if self._rank not in ranks:
+            raise ValueError(f"rank {self._rank} called {kind} on group {list(ranks)} it is not part of")
+        state = self.state
+        with state.cond:
+            count_key = (ranks, self._rank)
+            seq = state.meeting_counts.get(count_key, 0)
+            state.meeting_counts[count_key] = seq + 1
+            meeting = state.meetings.setdefault((ranks, seq), _Meeting(kind))
+            if meeting.kind != kind:
+                other = next(iter(meeting.brought))
+                raise ValueError(
+                    f"collective mismatch in group {list(ranks)}: rank {other} called {meeting.kind} "
+                    f"but rank {self._rank} called {kind}"
+                )
+            meeting.brought[self._rank] = brought
+            if len(meeting.brought) == len(ranks):
+                meeting.results = combine(meeting.brought)
+                state.cond.notify_all()
+            else:
+                state.wait_until(
+                    self._rank,
+                    lambda: meeting.results is not None,
+                    f"in {kind} of group {list(ranks)} (arrived: {sorted(meeting.brought)})",
+                    None,
+                )
+            assert meeting.results is not None
+            result = meeting.results.pop(self._rank)
+            if not meeting.results:
+                del state.meetings[(ranks, seq)]
+            return result
+
+    def _ordered(self, brought: dict[int, Any], group: Group | None) -> list[Any]:
+        return [brought[r] for r in (group or self._world).ranks]
+
+    def _reduce(self, tensors: list[Any], op: str, like: Any) -> Any:
+        p = self._p
+        arrays = [p.to_numpy(t) for t in tensors]
+        return p.from_numpy(np.asarray(_NUMPY_REDUCE[op](arrays), dtype=arrays[0].dtype), p.dtype_name(like))
+
+    def all_reduce(self, tensor: Any, op: str = "sum", group: Group | None = None) -> Any:
+        check_reduce_op(op)
+
+        def combine(brought: dict[int, Any]) -> dict[int, Any]:
+            total = self._reduce(self._ordered(brought, group), op, tensor)
+            return {r: total for r in brought}
+
+        result = self._meet("all_reduce", group, self._p.clone(tensor), combine)
+        return self._p.copy_(tensor, result)
+
+    def all_gather(self, tensor: Any, group: Group | None = None) -> list[Any]:
+        def combine(brought: dict[int, Any]) -> dict[int, Any]:
+            ordered = self._ordered(brought, group)
+            return {r: list(ordered) for r in brought}
+
+        return [self._p.clone(t) for t in self._meet("all_gather", group, self._p.clone(tensor), combine)]
+
+    def reduce_scatter(self, tensors: Sequence[Any], op: str = "sum", group: Group | None = None) -> Any:
+        check_reduce_op(op)
+        g = group or self._world
+        if len(tensors) != g.size:
+            raise ValueError(f"reduce_scatter needs one tensor per group rank ({g.size}), got {len(tensors)}")
+
+        def combine(brought: dict[int, Any]) -> dict[int, Any]:
+            ordered = self._ordered(brought, group)
+            return {r: self._reduce([b[i] for b in ordered], op, tensors[i]) for i, r in enumerate(g.ranks)}
+
+        return self._meet("reduce_scatter", group, [self._p.clone(t) for t in tensors], combine)
+
+    def broadcast(self, tensor: Any, src: int, group: Group | None = None) -> Any:
+        def combine(brought: dict[int, Any]) -> dict[int, Any]:
+            return {r: brought[src] for r in brought}
+
+        if src not in (group or self._world).ranks:
+            raise ValueError(f"broadcast source rank {src} is not in group {list((group or self._world).ranks)}")
+        result = self._meet(f"broadcast(src={src})", group, self._p.clone(tensor), combine)
+        return self._p.copy_(tensor, result)
+
+    def all_to_all(self, tensors: Sequence[Any], group: Group | None = None) -> list[Any]:
+        g = group or self._world
+        if len(tensors) != g.size:
+            raise ValueError(f"all_to_all needs one tensor per group rank ({g.size}), got {len(tensors)}")
+
+        def combine(brought: dict[int, Any]) -> dict[int, Any]:
+            ordered = self._ordered(brought, group)
+            return {r: [b[i] for b in ordered] for i, r in enumerate(g.ranks)}
+
+        return self._meet("all_to_all", group, [self._p.clone(t) for t in tensors], combine)
+
+    def barrier(self, group: Group | None = None) -> None:
+        self._meet("barrier", group, None, lambda brought: dict.fromkeys(brought))
+
+    # objects ------------------------------------------------------------------------
+    def send_object(self, obj: Any, dst: int, group: Group | None = None) -> None:
+        self._post_send(pickle.dumps(obj), dst, 0, "object")
+
+    def recv_object(self, src: int, group: Group | None = None) -> Any:
+        ticket = self._post_recv(src, "object")
+        state = self.state
+        with state.cond:
+            box = state.mailbox(src, self._rank, "object")
+            state.wait_until(self._rank, lambda: ticket in box.messages, f"receiving an object from rank {src}", None)
+            return pickle.loads(box.messages.pop(ticket).payload)
+
+    def broadcast_object(self, obj: Any, src: int, group: Group | None = None) -> Any:
+        data = pickle.dumps(obj) if src == self._rank else None
+        result = self._meet(f"broadcast_object(src={src})", group, data, lambda b: {r: b[src] for r in b})
+        return pickle.loads(result)
+
+    def all_gather_object(self, obj: Any, group: Group | None = None) -> list[Any]:
+        def combine(brought: dict[int, Any]) -> dict[int, Any]:
+            ordered = self._ordered(brought, group)
+            return {r: ordered for r in brought}
+
+        return [pickle.loads(b) for b in self._meet("all_gather_object", group, pickle.dumps(obj), combine)]
+
+
+def _platform_class(name: str) -> type[Platform]:
+    if name == "torch":
+        from hyper_parallel.platform.torch import TorchPlatform
+
+        return TorchPlatform
+    if name == "mindspore":
+        from hyper_parallel.platform.mindspore import MindSporePlatform
+
+        return MindSporePlatform
+    raise ValueError(f"unknown platform {name!r}; valid platforms: torch, mindspore")
+
+
+class LocalCluster:
+    """Run ``fn`` once per rank in this process; see the module docstring for the semantics."""
+
+    def __init__(
+        self,
+        world_size: int,
+        platform: str = "torch",
+        timeout: float | None = None,
+        detect_deadlock: bool = True,
+    ) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        self.world_size = world_size
+        self.platform_name = platform
+        self._platform_class = _platform_class(platform)
+        self.timeout = default_comm_timeout() if timeout is None else float(timeout)
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r}")
+        self.detect_deadlock = detect_deadlock
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; returns the results in rank order."""
+        state = _ClusterState(self.world_size, self.timeout, self.detect_deadlock)
+        results: list[Any] = [None] * self.world_size
+        platforms = []
+        for rank in range(self.world_size):
+            comm = LocalCommunicator(state, rank)
+            platform = self._platform_class(comm=comm)
+            comm.platform = platform
+            platforms.append(platform)
+        state.live = set(range(self.world_size))
+
+        def body(rank: int) -> None:
+            bind_thread_platform(platforms[rank])
+            with state.cond:
+                try:
+                    results[rank] = fn(*args, **kwargs)
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                    if state.failure is None:  # the first failure is the cause; later ones are aborts
+                        state.failure = (rank, exc)
+                finally:
+                    state.live.discard(rank)
+                    state.cond.notify_all()
+                    bind_thread_platform(None)
+
+        threads = [
+            threading.Thread(target=body, args=(rank,), name=f"hyper-parallel-rank-{rank}", daemon=True)
+            for rank in range(self.world_size)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if state.failure is not None:
+            rank, error = state.failure
+            raise RankFailedError(rank, error) from error
+        return results

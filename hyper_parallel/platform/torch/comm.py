@@ -1,0 +1,185 @@
+"""``torch.distributed`` as a :class:`Communicator` (gloo on CPU, NCCL on CUDA, HCCL on Ascend)."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.platform.base import Communicator, Group, Handle, P2POp, default_comm_timeout
+
+_REDUCE = {
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+
+
+def backend_for_device(device_type: str) -> str:
+    return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device_type]
+
+
+class TorchHandle(Handle):
+    """Wraps a ``torch.distributed.Work``; a timed-out wait names the operation."""
+
+    def __init__(self, work: Any, what: str) -> None:
+        self._work = work
+        self._what = what
+        self._done = False
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._done:
+            return
+        seconds = default_comm_timeout() if timeout is None else timeout
+        try:
+            self._work.wait(datetime.timedelta(seconds=seconds))
+        except RuntimeError as exc:
+            raise TimeoutError(f"{self._what} did not complete within {seconds:g}s: {exc}") from exc
+        self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done or bool(self._work.is_completed())
+
+
+class TorchCommunicator(Communicator):
+    """Initialises the default process group from the launcher's environment if needed."""
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        if not dist.is_available():
+            raise RuntimeError("this torch build has no torch.distributed")
+        self._device_type = device_type
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=backend_for_device(device_type),
+                timeout=datetime.timedelta(seconds=default_comm_timeout()),
+            )
+        self._world = Group(tuple(range(dist.get_world_size())), native=None)
+        self._gloo_like = dist.get_backend() == "gloo"
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def world_group(self) -> Group:
+        return self._world
+
+    def new_group(self, ranks: Sequence[int]) -> Group:
+        ranks = tuple(int(r) for r in ranks)
+        if ranks == self._world.ranks:
+            return self._world
+        return Group(ranks, native=dist.new_group(list(ranks)))
+
+    def _pg(self, group: Group | None) -> Any:
+        return None if group is None else group.native
+
+    def _group(self, group: Group | None) -> Group:
+        return self._world if group is None else group
+
+    # P2P ----------------------------------------------------------------------------
+    def isend(self, tensor: Any, dst: int, group: Group | None = None, tag: int = 0) -> Handle:
+        work = dist.isend(tensor, dst=dst, group=self._pg(group), tag=tag)
+        return TorchHandle(work, f"send from rank {self.rank} to rank {dst}")
+
+    def irecv(self, tensor: Any, src: int, group: Group | None = None, tag: int = 0) -> Handle:
+        work = dist.irecv(tensor, src=src, group=self._pg(group), tag=tag)
+        return TorchHandle(work, f"receive on rank {self.rank} from rank {src}")
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
+        if not ops:
+            return []
+        native = [
+            dist.P2POp(dist.isend if op.op == "isend" else dist.irecv, op.tensor, op.peer, self._pg(op.group), op.tag)
+            for op in ops
+        ]
+        works = dist.batch_isend_irecv(native)
+        return [
+            TorchHandle(w, f"batched {op.op} between rank {self.rank} and rank {op.peer}")
+            for w, op in zip(works, ops, strict=True)
+        ]
+
+    # collectives --------------------------------------------------------------------
+    def all_reduce(self, tensor: Any, op: str = "sum", group: Group | None = None) -> Any:
+        if op == "avg":
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._pg(group))
+            tensor.div_(self._group(group).size)
+        else:
+            dist.all_reduce(tensor, op=_REDUCE[op], group=self._pg(group))
+        return tensor
+
+    def all_gather(self, tensor: Any, group: Group | None = None) -> list[Any]:
+        out = [torch.empty_like(tensor) for _ in range(self._group(group).size)]
+        dist.all_gather(out, tensor.contiguous(), group=self._pg(group))
+        return out
+
+    def reduce_scatter(self, tensors: Sequence[Any], op: str = "sum", group: Group | None = None) -> Any:
+        g = self._group(group)
+        if len(tensors) != g.size:
+            raise ValueError(f"reduce_scatter needs one tensor per group rank ({g.size}), got {len(tensors)}")
+        if self._gloo_like:  # gloo has no reduce_scatter: reduce everything, keep our piece
+            flat = torch.stack([t.contiguous() for t in tensors])
+            self.all_reduce(flat, op, group)
+            return flat[g.group_rank(self.rank)].clone()
+        out = torch.empty_like(tensors[0])
+        reduce_op = dist.ReduceOp.AVG if op == "avg" else _REDUCE[op]
+        dist.reduce_scatter(out, [t.contiguous() for t in tensors], op=reduce_op, group=self._pg(group))
+        return out
+
+    def broadcast(self, tensor: Any, src: int, group: Group | None = None) -> Any:
+        dist.broadcast(tensor, src=src, group=self._pg(group))
+        return tensor
+
+    def all_to_all(self, tensors: Sequence[Any], group: Group | None = None) -> list[Any]:
+        g = self._group(group)
+        if len(tensors) != g.size:
+            raise ValueError(f"all_to_all needs one tensor per group rank ({g.size}), got {len(tensors)}")
+        if not self._gloo_like:
+            out = [torch.empty_like(t) for t in tensors]
+            dist.all_to_all(out, [t.contiguous() for t in tensors], group=self._pg(group))
+            return out
+        # gloo has no all_to_all for lists: pairwise exchange, shapes agreed through objects.
+        shapes = self.all_gather_object([(tuple(t.shape), t.dtype) for t in tensors], group)
+        me = g.group_rank(self.rank)
+        out: list[Any] = [None] * g.size
+        ops = []
+        for i, peer in enumerate(g.ranks):
+            if peer == self.rank:
+                out[i] = tensors[i].clone()
+                continue
+            shape, dtype = shapes[i][me]
+            out[i] = torch.empty(shape, dtype=dtype)
+            ops.append(P2POp("isend", tensors[i].contiguous(), peer, group))
+            ops.append(P2POp("irecv", out[i], peer, group))
+        for h in self.batch_isend_irecv(ops):
+            h.wait()
+        return out
+
+    def barrier(self, group: Group | None = None) -> None:
+        dist.barrier(group=self._pg(group))
+
+    # objects ------------------------------------------------------------------------
+    def send_object(self, obj: Any, dst: int, group: Group | None = None) -> None:
+        dist.send_object_list([obj], dst=dst, group=self._pg(group))
+
+    def recv_object(self, src: int, group: Group | None = None) -> Any:
+        box: list[Any] = [None]
+        dist.recv_object_list(box, src=src, group=self._pg(group))
+        return box[0]
+
+    def broadcast_object(self, obj: Any, src: int, group: Group | None = None) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self._pg(group))
+        return box[0]
+
+    def all_gather_object(self, obj: Any, group: Group | None = None) -> list[Any]:
+        out: list[Any] = [None] * self._group(group).size
+        dist.all_gather_object(out, obj, group=self._pg(group))
+        return out

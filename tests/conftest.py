@@ -1,0 +1,44 @@
+"""Shared test helpers: free ports, framework-neutral model builders."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (each launcher job gets its own)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path, monkeypatch):
+    # MindSpore writes rank_*/ dump folders into the working directory on compile failures.
+    monkeypatch.chdir(tmp_path)
+    yield
+
+
+def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 240) -> None:
+    """Run ``script`` on ``nproc`` gloo ranks with torch's own launcher; fail with the logs."""
+    import subprocess
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args,
+    ]
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, HYPER_PARALLEL_PLATFORM="torch", OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"torchrun job {script} hung for {timeout}s:\n{exc.stdout}\n{exc.stderr}") from exc
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun job {script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
