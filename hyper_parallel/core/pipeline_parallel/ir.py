@@ -1,0 +1,318 @@
+"""Schedule IR: `MetaStep`, its text form, CSV files and the data flow of each step.
+
+Text form of one step (``str(step)`` / ``MetaStep.from_str``)::
+
+    CODE[SUB+SUB+...].s<stage>.m<micro>
+
+where every part after ``CODE`` is optional: ``F.s0.m1`` (forward, stage 0, micro 1),
+``RECV_B.s2.m3``, ``FSDP_UNSHARD.s0`` (no micro), ``BATCH[SEND_F.s0.m1+RECV_B.s0.m0]``,
+``OVERLAP_B_F[B.s1.m0+F.s1.m2]``. ``CODE[]`` is a composite with no sub-steps. The text
+never contains a comma or whitespace, so it fits in a CSV cell as is.
+
+A schedule is ``dict[rank, list[MetaStep | None]]`` (``None`` = idle slot); its CSV form
+has one row per rank, in rank order, one step text per cell, empty cell = idle.
+"""
+
+from __future__ import annotations
+
+import csv
+import enum
+import io
+import os
+import re
+from dataclasses import dataclass
+from typing import Union
+
+Schedule = dict[int, list[Union["MetaStep", None]]]
+DataKey = tuple[str, int, int]
+"""A value flowing between stages: ``("F", s, i)`` is the forward output of stage ``s``
+for micro-batch ``i``; ``("G", s, i)`` is the gradient of the input of stage ``s``;
+``("W", s, i)`` marks that stage ``s`` finished its weight gradient for micro-batch ``i``."""
+
+
+class MetaStepType(enum.Enum):
+    """Kind of a schedule step; the value is the short code used in text."""
+
+    FWD = "F"
+    BWD = "B"
+    BWD_INPUT = "I"
+    BWD_WEIGHT = "W"
+    FWD_SEND = "SEND_F"
+    FWD_RECV = "RECV_F"
+    BWD_SEND = "SEND_B"
+    BWD_RECV = "RECV_B"
+    BATCH_SEND_RECV = "BATCH"
+    OVERLAP_B_F = "OVERLAP_B_F"
+    OVERLAP_F_B = "OVERLAP_F_B"
+    FSDP_UNSHARD = "FSDP_UNSHARD"
+    FSDP_RESHARD = "FSDP_RESHARD"
+    FSDP_REDUCE_GRAD = "FSDP_REDUCE_GRAD"
+    SWAP_LAUNCH_OFFLOAD = "SWAP_LAUNCH_OFFLOAD"
+    SWAP_WAIT_OFFLOAD = "SWAP_WAIT_OFFLOAD"
+    SWAP_LAUNCH_LOAD = "SWAP_LAUNCH_LOAD"
+    SWAP_WAIT_LOAD = "SWAP_WAIT_LOAD"
+
+    @property
+    def code(self) -> str:
+        """Short code used in the text form."""
+        return self.value
+
+    @property
+    def is_compute(self) -> bool:
+        """True for F, B, I, W and the OVERLAP composites."""
+        return self in _COMPUTE
+
+    @property
+    def is_comm(self) -> bool:
+        """True for the four point-to-point steps and BATCH."""
+        return self in _COMM
+
+    @property
+    def is_overlap(self) -> bool:
+        """True for OVERLAP_B_F and OVERLAP_F_B."""
+        return self in (MetaStepType.OVERLAP_B_F, MetaStepType.OVERLAP_F_B)
+
+    @property
+    def is_send(self) -> bool:
+        """True for FWD_SEND and BWD_SEND."""
+        return self in (MetaStepType.FWD_SEND, MetaStepType.BWD_SEND)
+
+    @property
+    def is_recv(self) -> bool:
+        """True for FWD_RECV and BWD_RECV."""
+        return self in (MetaStepType.FWD_RECV, MetaStepType.BWD_RECV)
+
+
+_T = MetaStepType
+_COMPUTE = frozenset({_T.FWD, _T.BWD, _T.BWD_INPUT, _T.BWD_WEIGHT, _T.OVERLAP_B_F, _T.OVERLAP_F_B})
+_COMM = frozenset({_T.FWD_SEND, _T.FWD_RECV, _T.BWD_SEND, _T.BWD_RECV, _T.BATCH_SEND_RECV})
+_BY_CODE = {t.code: t for t in MetaStepType}
+
+
+def _check_index(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise TypeError(f"MetaStep.{name} must be an int or None, got {value!r}")
+
+
+@dataclass(frozen=True, repr=False)
+class MetaStep:
+    """One step of a per-rank schedule; hashable, compared by value."""
+
+    micro_index: int | None
+    meta_type: MetaStepType
+    stage_index: int | None
+    sub_steps: tuple[MetaStep, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.meta_type, MetaStepType):
+            raise TypeError(f"MetaStep.meta_type must be a MetaStepType, got {self.meta_type!r}")
+        _check_index("micro_index", self.micro_index)
+        _check_index("stage_index", self.stage_index)
+        if self.sub_steps is not None:
+            subs = tuple(self.sub_steps)
+            for sub in subs:
+                if not isinstance(sub, MetaStep):
+                    raise TypeError(f"MetaStep.sub_steps must hold MetaSteps, got {sub!r}")
+            object.__setattr__(self, "sub_steps", subs)
+
+    def __str__(self) -> str:
+        text = self.meta_type.code
+        if self.sub_steps is not None:
+            text += "[" + "+".join(str(sub) for sub in self.sub_steps) + "]"
+        if self.stage_index is not None:
+            text += f".s{self.stage_index}"
+        if self.micro_index is not None:
+            text += f".m{self.micro_index}"
+        return text
+
+    def __repr__(self) -> str:
+        return f"<MetaStep {self}>"
+
+    @classmethod
+    def from_str(cls, text: str) -> MetaStep:
+        """Parse the text form written by ``str(step)``; raise ValueError on bad text."""
+        if not isinstance(text, str):
+            raise ValueError(f"cannot parse {text!r} as a MetaStep: not a string")
+        source = text.strip()
+        try:
+            step, end = _parse_step(source, 0)
+        except _ParseError as exc:
+            raise ValueError(f"cannot parse {text!r} as a MetaStep: {exc}") from None
+        if end != len(source):
+            raise ValueError(f"cannot parse {text!r} as a MetaStep: unexpected {source[end:]!r}")
+        return step
+
+    @property
+    def parts(self) -> tuple[MetaStep, ...]:
+        """The compute steps this step runs: its sub-steps for OVERLAP, itself for
+        F/B/I/W, nothing for any other type."""
+        if self.meta_type.is_overlap:
+            return self.sub_steps or ()
+        return (self,) if self.meta_type.is_compute else ()
+
+    @property
+    def comm_parts(self) -> tuple[MetaStep, ...]:
+        """The point-to-point ops of this step: BATCH sub-steps, itself for a plain
+        send/recv, nothing otherwise."""
+        if self.meta_type is MetaStepType.BATCH_SEND_RECV:
+            return self.sub_steps or ()
+        return (self,) if self.meta_type.is_comm else ()
+
+
+class _ParseError(Exception):
+    pass
+
+
+_CODE_RE = re.compile(r"[A-Z][A-Z_]*")
+_FIELD_RE = re.compile(r"\.([sm])(-?\d+)")
+
+
+def _parse_step(text: str, pos: int) -> tuple[MetaStep, int]:
+    match = _CODE_RE.match(text, pos)
+    if match is None:
+        raise _ParseError(f"expected a step code at position {pos}")
+    meta_type = _BY_CODE.get(match.group())
+    if meta_type is None:
+        raise _ParseError(f"unknown step code {match.group()!r}")
+    pos = match.end()
+    subs: list[MetaStep] | None = None
+    if pos < len(text) and text[pos] == "[":
+        subs, pos = _parse_subs(text, pos + 1)
+    fields: dict[str, int] = {}
+    for key in "sm":
+        field = _FIELD_RE.match(text, pos)
+        if field is not None and field.group(1) == key:
+            fields[key] = int(field.group(2))
+            pos = field.end()
+    return MetaStep(fields.get("m"), meta_type, fields.get("s"), subs), pos
+
+
+def _parse_subs(text: str, pos: int) -> tuple[list[MetaStep], int]:
+    subs: list[MetaStep] = []
+    if text.startswith("]", pos):
+        return subs, pos + 1
+    while True:
+        sub, pos = _parse_step(text, pos)
+        subs.append(sub)
+        if text.startswith("+", pos):
+            pos += 1
+        elif text.startswith("]", pos):
+            return subs, pos + 1
+        else:
+            raise _ParseError(f"expected '+' or ']' at position {pos}")
+
+
+# --- CSV -------------------------------------------------------------------------------------
+
+_TORCH_CELL_RE = re.compile(r"(\d+)(F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
+
+
+def parse_cell(text: str) -> MetaStep | None:
+    """Parse one CSV cell: our text form, torch.distributed.pipelining's ``<stage><F|B|I|W>
+    <micro>`` (also ``<stage>SEND_F<micro>`` and the other three P2P codes, same meaning),
+    or an empty cell (None)."""
+    cell = text.strip()
+    if not cell:
+        return None
+    torch_cell = _TORCH_CELL_RE.fullmatch(cell)
+    if torch_cell is not None:
+        stage, code, micro = torch_cell.groups()
+        return MetaStep(int(micro), _BY_CODE[code], int(stage))
+    return MetaStep.from_str(cell)
+
+
+def format_schedule_csv(schedule: Schedule) -> str:
+    """CSV text with one row per rank (ranks must be 0..n-1), empty cell = idle."""
+    ranks = sorted(schedule)
+    if ranks != list(range(len(ranks))):
+        raise ValueError(f"schedule ranks must be 0..n-1 to be written as CSV, got {ranks}")
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    for rank in ranks:
+        writer.writerow(["" if step is None else str(step) for step in schedule[rank]])
+    return out.getvalue()
+
+
+def parse_schedule_csv(text: str) -> Schedule:
+    """Inverse of `format_schedule_csv`; row k is rank k. Also reads torch-style cells."""
+    schedule: Schedule = {}
+    for rank, row in enumerate(csv.reader(io.StringIO(text))):
+        try:
+            schedule[rank] = [parse_cell(cell) for cell in row]
+        except ValueError as exc:
+            raise ValueError(f"row {rank} of the schedule CSV: {exc}") from None
+    return schedule
+
+
+def save_schedule_csv(path: str | os.PathLike[str], schedule: Schedule) -> None:
+    """Write `format_schedule_csv(schedule)` to ``path``."""
+    with open(path, "w", encoding="utf-8", newline="") as handle:
+        handle.write(format_schedule_csv(schedule))
+
+
+def load_schedule_csv(path: str | os.PathLike[str]) -> Schedule:
+    """Read a schedule written by `save_schedule_csv` (or by torch's CSV dump)."""
+    with open(path, encoding="utf-8", newline="") as handle:
+        return parse_schedule_csv(handle.read())
+
+
+# --- data flow -------------------------------------------------------------------------------
+
+
+def consumes(part: MetaStep, num_stages: int) -> list[DataKey]:
+    """Values a compute part (F/B/I/W) needs before it can run."""
+    stage, micro, kind = part.stage_index, part.micro_index, part.meta_type
+    if stage is None or micro is None:
+        return []
+    if kind is MetaStepType.FWD:
+        return [("F", stage - 1, micro)] if stage > 0 else []
+    if kind in (MetaStepType.BWD, MetaStepType.BWD_INPUT):
+        needs = [("F", stage, micro)]
+        if stage < num_stages - 1:
+            needs.append(("G", stage + 1, micro))
+        return needs
+    if kind is MetaStepType.BWD_WEIGHT:
+        return [("G", stage, micro)]
+    return []
+
+
+def produces(part: MetaStep) -> list[DataKey]:
+    """Values a compute part (F/B/I/W) makes available once it finished."""
+    stage, micro, kind = part.stage_index, part.micro_index, part.meta_type
+    if stage is None or micro is None:
+        return []
+    if kind is MetaStepType.FWD:
+        return [("F", stage, micro)]
+    if kind is MetaStepType.BWD:
+        return [("G", stage, micro), ("W", stage, micro)]
+    if kind is MetaStepType.BWD_INPUT:
+        return [("G", stage, micro)]
+    if kind is MetaStepType.BWD_WEIGHT:
+        return [("W", stage, micro)]
+    return []
+
+
+def message_key(op: MetaStep) -> DataKey | None:
+    """The value a send/recv step carries (None for other steps or missing indices).
+
+    FWD_SEND(s, i) and FWD_RECV(s + 1, i) both carry ``("F", s, i)``;
+    BWD_SEND(s, i) and BWD_RECV(s - 1, i) both carry ``("G", s, i)``.
+    """
+    stage, micro, kind = op.stage_index, op.micro_index, op.meta_type
+    if stage is None or micro is None:
+        return None
+    if kind is MetaStepType.FWD_SEND:
+        return ("F", stage, micro)
+    if kind is MetaStepType.FWD_RECV:
+        return ("F", stage - 1, micro)
+    if kind is MetaStepType.BWD_SEND:
+        return ("G", stage, micro)
+    if kind is MetaStepType.BWD_RECV:
+        return ("G", stage + 1, micro)
+    return None
+
+
+def consumer_stage(key: DataKey) -> int:
+    """Stage that consumes a forward output / input gradient carried between stages."""
+    kind, stage, _ = key
+    return stage + 1 if kind == "F" else stage - 1

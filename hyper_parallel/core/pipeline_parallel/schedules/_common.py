@@ -1,0 +1,31 @@
+"""Small building blocks shared by the schedule generators."""
+
+from __future__ import annotations
+
+from ..ir import MetaStep, MetaStepType
+from ..placement import check_count
+
+__all__ = ["check_count", "fwd", "bwd", "one_f_one_b"]
+
+
+def fwd(stage: int, micro: int) -> MetaStep:
+    """Forward of ``micro`` on ``stage``."""
+    return MetaStep(micro, MetaStepType.FWD, stage)
+
+
+def bwd(stage: int, micro: int) -> MetaStep:
+    """Full backward of ``micro`` on ``stage``."""
+    return MetaStep(micro, MetaStepType.BWD, stage)
+
+
+def one_f_one_b(forwards: list[MetaStep], backwards: list[MetaStep], warmup: int) -> list[MetaStep]:
+    """``warmup`` forwards, then pairs (next forward, next backward), then the remaining
+    backwards. Forwards and backwards keep their given order."""
+    if len(forwards) != len(backwards):
+        raise ValueError(f"{len(forwards)} forwards but {len(backwards)} backwards")
+    warmup = min(warmup, len(forwards))
+    steps = list(forwards[:warmup])
+    for k in range(len(forwards) - warmup):
+        steps += [forwards[warmup + k], backwards[k]]
+    steps += backwards[len(forwards) - warmup :]
+    return steps

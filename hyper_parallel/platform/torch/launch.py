@@ -1,0 +1,40 @@
+"""Launch a function on several local gloo processes through torch's own elastic launcher."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> list[Any]:
+    """Run ``fn(*args)`` on ``nproc`` processes of this machine; returns the results in rank order.
+
+    ``fn`` must be importable by module path (the workers are spawned). Each worker gets
+    ``HYPER_PARALLEL_PLATFORM=torch`` and the usual torchrun environment variables.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ["HYPER_PARALLEL_PLATFORM"] = "torch"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"hyper-parallel-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    results = elastic_launch(config, fn)(*args)
+    return [results[r] for r in range(nproc)]
