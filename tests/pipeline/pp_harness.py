@@ -134,3 +134,96 @@ def check_against_oracle(framework: str, losses: list[float], grads: dict[str, n
         np.testing.assert_allclose(g, ref, **tol, err_msg=f"gradient of {name}")
         worst = max(worst, float(np.abs(g - ref).max()))
     return worst
+
+
+# ---------------------------------------------------------------- wrappers for special cases
+def _torch_wrappers():
+    import torch
+
+    class MeanSquareLoss(torch.nn.Module):
+        """Last stage that returns its own scalar loss (no loss_fn)."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *x):
+            return self.inner(*x).pow(2).mean()
+
+    class OffsetFirst(torch.nn.Module):
+        """First stage with keyword inputs: a per-sample tensor, a whole tensor and a float."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, tokens, *, offset, bias_vec, attn_scale=None):
+            return self.inner(tokens, attn_scale=attn_scale) + offset[..., None] + bias_vec
+
+    return MeanSquareLoss, OffsetFirst
+
+
+def _mindspore_wrappers():
+    from mindspore import nn
+
+    class MeanSquareLoss(nn.Cell):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def construct(self, *x):
+            y = self.inner(*x)
+            return (y * y).mean()
+
+    class OffsetFirst(nn.Cell):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def construct(self, tokens, offset=None, bias_vec=None, attn_scale=None):
+            return self.inner(tokens, attn_scale=attn_scale) + offset.expand_dims(-1) + bias_vec
+
+    return MeanSquareLoss, OffsetFirst
+
+
+def wrappers(framework: str):
+    """``(MeanSquareLoss, OffsetFirst)`` module classes of ``framework``."""
+    return _torch_wrappers() if framework == "torch" else _mindspore_wrappers()
+
+
+def chained_oracle(framework: str, job: Job, num_stages: int, kwargs: dict[str, Any]):
+    """Non-pipelined: the same stage modules chained in one process, one backward on the whole batch
+    with the framework's public autograd. Returns (loss, {parameter name: gradient})."""
+    mod = models(framework)
+    weights = init_gpt_weights(job.config, job.seed)
+    modules = []
+    for s in range(num_stages):
+        module = mod.GPTStage(job.config, s, num_stages, weights)
+        if s == 0 and job.wrap_first is not None:
+            module = job.wrap_first(module)
+        if s == num_stages - 1 and job.wrap_last is not None:
+            module = job.wrap_last(module)
+        modules.append(module)
+
+    def whole(tokens, target, **kw):
+        x = modules[0](tokens, **kw)
+        for m in modules[1:]:
+            x = m(*x) if isinstance(x, tuple) else m(x)
+        return mod.cross_entropy_loss(x, target) if job.use_loss_fn else x
+
+    if framework == "torch":
+        import torch
+
+        named = [(n, prm) for m in modules for n, prm in m.named_parameters()]
+        kw = {k: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
+        target = torch.from_numpy(job.targets) if job.targets is not None else None
+        loss = whole(torch.from_numpy(job.tokens), target, **kw)
+        grads = torch.autograd.grad(loss, [prm for _, prm in named])
+        return float(loss.detach()), {n: g.numpy() for (n, _), g in zip(named, grads)}
+    import mindspore as ms
+
+    params = [prm for m in modules for prm in m.trainable_params()]
+    kw = {k: (ms.Tensor(v) if isinstance(v, np.ndarray) else v) for k, v in kwargs.items()}
+    target = ms.Tensor(job.targets) if job.targets is not None else None
+    loss, grads = ms.value_and_grad(lambda t: whole(t, target, **kw), None, weights=params)(ms.Tensor(job.tokens))
+    return float(loss.asnumpy()), {prm.name: g.asnumpy() for prm, g in zip(params, grads)}

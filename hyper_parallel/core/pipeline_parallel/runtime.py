@@ -105,10 +105,10 @@ class PipelineRuntime:
             else:
                 self.run_step(step)
             if self.sends:
-                self._release_completed_sends()
+                self.release_completed_sends()
         for pending in self.sends:
             pending.handle.wait()
-        self._release_completed_sends()
+        self.release_completed_sends()
         if self.recvs:
             raise RuntimeError(f"rank {self.rank}: receives never consumed: {[str(r.step) for r in self.recvs.values()]}")
 
@@ -354,7 +354,8 @@ class PipelineRuntime:
             )
         stage.input_meta = metas
 
-    def _release_completed_sends(self) -> None:
+    def release_completed_sends(self) -> None:
+        """Release the storage of sent outputs whose sends have completed."""
         still = []
         for pending in self.sends:
             if pending.handle.is_completed():

@@ -154,11 +154,12 @@ class PipelineSchedule:
             "ties": [(st.stage_index, sorted(st.shared_parameters)) for st in self.stages],
         }
         everyone = self.platform.all_gather_object(mine, self.group)
+        reference = everyone[0]  # compare with the first pipeline rank so every rank reports the same pair
         for key in ("schedule", "micro_batch_num", "chunks", "stage_num", "transport"):
             for pp_rank, theirs in enumerate(everyone):
-                if theirs[key] != mine[key]:
+                if theirs[key] != reference[key]:
                     raise ValueError(
-                        f"pipeline ranks disagree on {key}: rank {self.platform.rank} has {mine[key]!r} but "
+                        f"pipeline ranks disagree on {key}: rank {self.group.ranks[0]} has {reference[key]!r} but "
                         f"rank {self.group.ranks[pp_rank]} has {theirs[key]!r}"
                     )
         return shared_params.collect_holders([t["ties"] for t in everyone], self.group.ranks)
