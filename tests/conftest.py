@@ -28,17 +28,27 @@ def _run_in_tmp(tmp_path, monkeypatch):
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 240) -> None:
-    """Run ``script`` on ``nproc`` gloo ranks with torch's own launcher; fail with the logs."""
+    """Run ``script`` on ``nproc`` gloo ranks with torch's own launcher; fail with the logs.
+
+    The job gets a free port; if another process grabbed that port before the launcher bound
+    it (a race no test can exclude), the job is started once more on a new port.
+    """
     import subprocess
 
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args,
-    ]
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, HYPER_PARALLEL_PLATFORM="torch", OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"torchrun job {script} hung for {timeout}s:\n{exc.stdout}\n{exc.stderr}") from exc
-    if proc.returncode != 0:
-        raise AssertionError(f"torchrun job {script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    for attempt in range(2):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args,
+        ]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"torchrun job {script} hung for {timeout}s:\n{exc.stdout}\n{exc.stderr}") from exc
+        if proc.returncode == 0:
+            return
+        port_taken = "address already in use" in (proc.stdout + proc.stderr).lower()
+        if not port_taken or attempt == 1:
+            raise AssertionError(
+                f"torchrun job {script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+            )
