@@ -327,6 +327,14 @@ class Platform(ABC):
     def release_storage(self, tensor: Any) -> None:
         """Drop the tensor's data while keeping its autograd link (after it was sent)."""
 
+    def releasable(self, record: ForwardRecord, tensor: Any) -> bool:
+        """Whether ``release_storage`` may drop this output of ``record``'s forward.
+
+        It must not be a parameter, buffer, input or user tensor, and the backward must not
+        read it. Backends that cannot tell answer ``False`` (the data is then kept).
+        """
+        return False
+
     # ------------------------------------------------------------------ stage autograd
     @abstractmethod
     def stage_forward(

@@ -18,6 +18,9 @@ def test_four_gloo_ranks_p2p_collectives_and_mesh_groups(tmp_path):
         left, right = (r - 1) % n, (r + 1) % n
         assert (out["rank"], out["world"], out["platform"]) == (r, n, "torch")
         assert out["ring"] == [left, left * 10, left * 100]
+        expected_t = [[10 * left + 0.0, 10 * left + 3.0], [10 * left + 1.0, 10 * left + 4.0],
+                      [10 * left + 2.0, 10 * left + 5.0]]
+        assert out["transposed"] == expected_t and out["transposed_plain"] == expected_t
         assert out["batch"] == [[left, -left], [right + 0.5, 1]]
         assert out["sum"] == [sum(range(1, n + 1)), 2 * sum(range(n))]
         assert out["max"] == [n - 1]

@@ -28,6 +28,18 @@ def main(out_dir: str) -> None:
         h_recv.wait()
     out["ring"] = buf.tolist()
 
+    # a non-contiguous tensor is sent as its values (the engines need contiguous memory)
+    grid = torch.arange(6.0).reshape(2, 3) + 10 * r
+    got_t = torch.zeros(3, 2)
+    hs = p.batch_isend_irecv([P2POp("isend", grid.t(), right), P2POp("irecv", got_t, left)])
+    for h in hs:
+        h.wait()
+    out["transposed"] = got_t.tolist()
+    h_plain = p.isend(grid.t(), right)
+    p.irecv(got_t, left).wait()
+    h_plain.wait()
+    out["transposed_plain"] = got_t.tolist()
+
     # batched duplex exchange with both neighbours
     from_left, from_right = torch.zeros(2), torch.zeros(2)
     handles = p.batch_isend_irecv([

@@ -89,8 +89,17 @@ def split_inputs(
     ]
 
 
-def split_target(platform: Platform, target: Any, num: int) -> list[Any]:
-    return _split_one(platform, target, BatchDimSpec(0), num, "target")
+def split_target(platform: Platform, target: Any, num: int, name: str = "target") -> list[Any]:
+    """Split a target (a tensor, or a tuple/list/dict of them) along dim 0 into ``num`` parts."""
+    if isinstance(target, (tuple, list)):
+        parts = [split_target(platform, t, num, f"{name}[{k}]") for k, t in enumerate(target)]
+        return [type(target)(p[i] for p in parts) for i in range(num)]
+    if isinstance(target, Mapping):
+        split = {k: split_target(platform, v, num, f"{name}[{k!r}]") for k, v in target.items()}
+        return [{k: v[i] for k, v in split.items()} for i in range(num)]
+    if not platform.is_tensor(target):
+        raise TypeError(f"{name} must be a tensor or a tuple/list/dict of tensors, got {type(target).__name__}")
+    return _split_one(platform, target, BatchDimSpec(0), num, name)
 
 
 def merge_outputs(platform: Platform, outputs: Sequence[Any], dim: int) -> Any:

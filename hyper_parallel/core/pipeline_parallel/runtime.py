@@ -146,7 +146,7 @@ class PipelineRuntime:
 
         def with_loss(*a: Any, **k: Any) -> Any:
             out = module(*a, **k)
-            flat = out if isinstance(out, tuple) else (out,)
+            flat = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             return (loss_fn(out, target), *flat)
 
         return with_loss
@@ -180,7 +180,7 @@ class PipelineRuntime:
             if not self.p.is_tensor(o):
                 raise TypeError(f"stage {s} must return tensors to pass to stage {s + 1}, got {type(o).__name__}")
         self.out_meta[(s, i)] = [TensorMeta(self.p.shape(o), self.p.dtype_name(o)) for o in outputs]
-        self.outputs[(s, i)] = (outputs, tuple(args))
+        self.outputs[(s, i)] = outputs
 
     def _output_grads(self, s: int, i: int) -> list[Any]:
         stage = self.stages[s]
@@ -213,8 +213,7 @@ class PipelineRuntime:
 
     def _forward_inputs(self, s: int, i: int) -> tuple[Any, ...]:
         if (s - 1) in self.stages:
-            outputs, _ = self.outputs.pop((s - 1, i))
-            return tuple(outputs)
+            return tuple(self.outputs.pop((s - 1, i)))
         return tuple(self._take_recv("F", s, i))
 
     # ------------------------------------------------------------------ communication
@@ -316,7 +315,7 @@ class PipelineRuntime:
     def _forward_send_tensors(self, step: MetaStep, peer: int) -> list[tuple[Any, list[Any]]]:
         s, i = step.stage_index, step.micro_index
         stage = self.stages[s]
-        outputs, inputs = self.outputs.pop((s, i))
+        outputs = self.outputs.pop((s, i))
         metas = self.out_meta[(s, i)]
         out: list[tuple[Any, list[Any]]] = []
         if stage.dyn_shape or stage.output_meta is None:
@@ -328,9 +327,9 @@ class PipelineRuntime:
                 f"agreed with stage {s + 1} on rank {peer} are {describe(stage.output_meta)}; "
                 "build the stages with dyn_shape=True for shapes that vary"
             )
+        record = self.records[(s, i)]
         for o in outputs:
-            releasable = self.p.is_floating(o) and not any(o is a for a in inputs)
-            out.append((o, [o] if releasable else []))
+            out.append((o, [o] if self.p.releasable(record, o) else []))
         return out
 
     def _backward_send_tensors(self, step: MetaStep) -> list[Any]:

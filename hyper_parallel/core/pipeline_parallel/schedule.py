@@ -61,6 +61,10 @@ class PipelineSchedule:
             raise ValueError(f"unknown p2p_transport {p2p_transport!r}; valid: {', '.join(P2P_TRANSPORTS)}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+        if output_concat_dim is not None and loss_fn is None:
+            raise ValueError(
+                "output_concat_dim needs a loss_fn: without one the last stage's output is the loss itself"
+            )
         if swap:
             raise NotImplementedError("activation swap (swap=True) is not available in this version")
         self.micro_batch_num = micro_batch_num
@@ -143,6 +147,27 @@ class PipelineSchedule:
         self.stages.sort(key=lambda st: st.stage_index)
         return table
 
+    def _local_ties(self) -> list[tuple[int, list[str]]]:
+        """Tie names per local stage; a parameter object held by two local stages counts once."""
+        seen: dict[str, set[int]] = {}
+        ties = []
+        for st in self.stages:
+            names = []
+            for name, param in sorted(st.shared_parameters.items()):
+                if id(param) not in seen.setdefault(name, set()):
+                    seen[name].add(id(param))
+                    names.append(name)
+            ties.append((st.stage_index, names))
+        return ties
+
+    def _params(self) -> list[Any]:
+        """Every parameter of this rank's stages, each object once (stages may share one)."""
+        unique: dict[int, Any] = {}
+        for st in self.stages:
+            for param in st.params:
+                unique.setdefault(id(param), param)
+        return list(unique.values())
+
     def _agree_across_ranks(self) -> shared_params.Holders:
         """Check every pipeline rank built the same schedule; exchange the tied-parameter table."""
         mine = {
@@ -151,7 +176,8 @@ class PipelineSchedule:
             "chunks": len(self.stages),
             "stage_num": self.stages[0].stage_num,
             "transport": self.p2p_transport,
-            "ties": [(st.stage_index, sorted(st.shared_parameters)) for st in self.stages],
+            "ties": self._local_ties(),
+            "declared": [(st.stage_index, sorted(st.shared_parameters)) for st in self.stages],
         }
         everyone = self.platform.all_gather_object(mine, self.group)
         reference = everyone[0]  # compare with the first pipeline rank so every rank reports the same pair
@@ -162,7 +188,9 @@ class PipelineSchedule:
                         f"pipeline ranks disagree on {key}: rank {self.group.ranks[0]} has {reference[key]!r} but "
                         f"rank {self.group.ranks[pp_rank]} has {theirs[key]!r}"
                     )
-        return shared_params.collect_holders([t["ties"] for t in everyone], self.group.ranks)
+        return shared_params.collect_holders(
+            [t["ties"] for t in everyone], self.group.ranks, [t["declared"] for t in everyone]
+        )
 
     # ------------------------------------------------------------------ public API
     @property
@@ -192,7 +220,7 @@ class PipelineSchedule:
         else:
             micro = [((), {})] * m
         targets = split_target(p, target, m) if has_last and target is not None else []
-        params = [param for st in self.stages for param in st.params]
+        params = self._params()
         earlier = [p.get_grad(param) for param in params]
         p.zero_grads(params)
 

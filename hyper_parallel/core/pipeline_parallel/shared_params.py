@@ -16,18 +16,31 @@ from hyper_parallel.platform.base import Platform
 Holders = dict[str, list[tuple[int, int]]]  # tie name -> [(stage index, global rank)], sorted by stage
 
 
-def collect_holders(stage_ties: list[list[tuple[int, list[str]]]], ranks: tuple[int, ...]) -> Holders:
-    """Build the tie table from every pipeline rank's ``[(stage index, [tie names])]``."""
+def collect_holders(
+    stage_ties: list[list[tuple[int, list[str]]]],
+    ranks: tuple[int, ...],
+    declared: list[list[tuple[int, list[str]]]] | None = None,
+) -> Holders:
+    """Build the tie table from every pipeline rank's ``[(stage index, [tie names])]``.
+
+    ``stage_ties`` lists each parameter object once per rank; ``declared`` (default: the same)
+    lists every declaration, so a tie declared by one stage only can be refused. Ties whose
+    holders are all one object need no syncing and are left out.
+    """
+    counts: dict[str, list[int]] = {}
+    for stages in declared if declared is not None else stage_ties:
+        for stage_index, names in stages:
+            for name in names:
+                counts.setdefault(name, []).append(stage_index)
+    for name, stage_indices in counts.items():
+        if len(stage_indices) < 2:
+            raise ValueError(f"shared parameter {name!r} is held only by stage {stage_indices[0]}; a tie needs two stages")
     holders: Holders = {}
     for rank, stages in zip(ranks, stage_ties, strict=True):
         for stage_index, names in stages:
             for name in names:
                 holders.setdefault(name, []).append((stage_index, rank))
-    for name, owners in holders.items():
-        owners.sort()
-        if len(owners) < 2:
-            raise ValueError(f"shared parameter {name!r} is held only by stage {owners[0][0]}; a tie needs two stages")
-    return holders
+    return {name: sorted(owners) for name, owners in holders.items() if len(owners) > 1}
 
 
 def _local(stages: dict[int, PipelineStage], name: str, stage_index: int) -> Any:

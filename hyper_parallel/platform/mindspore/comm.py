@@ -28,6 +28,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops as msops
 
+from hyper_parallel.platform.mindspore.dtypes import dtype_name_of
+
 from hyper_parallel.platform.base import (
     CompletedHandle,
     Communicator,
@@ -82,7 +84,7 @@ def _to_numpy(tensor: Any) -> np.ndarray:
 def _from_numpy(array: np.ndarray, dtype: Any) -> Any:
     if dtype == ms.bfloat16:
         return ms.Tensor(np.asarray(array, np.float32)).astype(ms.bfloat16)
-    return ms.Tensor(np.asarray(array, ms.dtype_to_nptype(dtype)))
+    return ms.Tensor(np.asarray(array, np.dtype(dtype_name_of(dtype))))
 
 
 def _words(data: bytes, length: int) -> np.ndarray:
@@ -233,7 +235,7 @@ class MindSporeCommunicator(Communicator):
             gathered = msops.AllGather(group=group.native)(flat)
             return [t.reshape(tensor.shape) for t in msops.split(gathered, 1, axis=0)]
         data = self._gather_bytes(_to_numpy(tensor).tobytes(), group)
-        np_type = np.float32 if tensor.dtype == ms.bfloat16 else ms.dtype_to_nptype(tensor.dtype)
+        np_type = np.float32 if tensor.dtype == ms.bfloat16 else np.dtype(dtype_name_of(tensor.dtype))
         return [_from_numpy(np.frombuffer(b, np_type).reshape(tensor.shape), tensor.dtype) for b in data]
 
     def reduce_scatter(self, tensors: Sequence[Any], op: str = "sum", group: Group | None = None) -> Any:

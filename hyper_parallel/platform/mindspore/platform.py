@@ -21,39 +21,9 @@ from mindspore import ops
 
 from hyper_parallel.platform.base import Communicator, ForwardRecord, Platform
 from hyper_parallel.platform.mindspore.autograd import StageAutograd, create_autograd
+from hyper_parallel.platform.mindspore.dtypes import _FLOATING, _NAMES, dtype_name_of, ms_dtype
 
-_DTYPES: dict[str, Any] = {
-    "float16": ms.float16,
-    "bfloat16": ms.bfloat16,
-    "float32": ms.float32,
-    "float64": ms.float64,
-    "int8": ms.int8,
-    "int16": ms.int16,
-    "int32": ms.int32,
-    "int64": ms.int64,
-    "uint8": ms.uint8,
-    "bool": ms.bool_,
-    "complex64": ms.complex64,
-    "complex128": ms.complex128,
-}
-_NAMES = {v: k for k, v in _DTYPES.items()}
-_FLOATING = ("float16", "bfloat16", "float32", "float64")
 _DEVICE_TYPES = {"CPU": "cpu", "Ascend": "npu", "GPU": "cuda"}
-
-
-def ms_dtype(name: str) -> Any:
-    """The MindSpore dtype of a framework-neutral dtype name."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype name {name!r}; valid names: {', '.join(_DTYPES)}") from None
-
-
-def dtype_name_of(dtype: Any) -> str:
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"MindSpore dtype {dtype} has no framework-neutral name") from None
 
 
 def _device_target() -> str:
@@ -185,7 +155,8 @@ class MindSporePlatform(Platform):
         if dtype == "bfloat16":
             return ms.Tensor(array.astype(np.float32)).astype(ms.bfloat16)
         if dtype is not None:
-            array = array.astype(ms.dtype_to_nptype(ms_dtype(dtype)), copy=False)
+            ms_dtype(dtype)  # validates the name
+            array = array.astype(np.dtype(dtype), copy=False)
         return ms.from_numpy(array)
 
     def detach(self, tensor: Any) -> Any:

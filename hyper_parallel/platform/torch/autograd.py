@@ -26,6 +26,7 @@ from hyper_parallel.platform.base import ForwardRecord
 @dataclass
 class _TorchState:
     leaves: tuple[Any, ...]  # per positional arg: the detached leaf, or None
+    saved_storages: frozenset[int] = frozenset()  # storages the graph saved for its backward
     roots: tuple[Any, ...] = ()  # kept between the input and the weight backward
     root_grads: tuple[Any, ...] = ()
 
@@ -58,14 +59,36 @@ def stage_forward(
         else:
             leaves.append(None)
         call_args.append(arg)
-    with torch.enable_grad():
+    saved: set[int] = set()
+
+    def note_saved(t: torch.Tensor) -> torch.Tensor:
+        if t.layout == torch.strided:
+            saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(note_saved, lambda t: t):
         result = fn(*call_args, **kwargs)
     return ForwardRecord(
         result=result,
         outputs=_flatten(result),
         grad_args=tuple(bool(g) for g in grad_args),
         params=tuple(params),
-        native=_TorchState(leaves=tuple(leaves)),
+        native=_TorchState(leaves=tuple(leaves), saved_storages=frozenset(saved)),
+    )
+
+
+def releasable(record: ForwardRecord, tensor: Any) -> bool:
+    """Whether dropping ``tensor``'s data keeps the backward correct and frees memory.
+
+    Only a tensor computed in this stage (it has a ``grad_fn``; so not a parameter, buffer,
+    input or user tensor) whose storage the graph did not save for its backward.
+    """
+    state: _TorchState = record.native
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.grad_fn is not None
+        and tensor.layout == torch.strided
+        and tensor.untyped_storage().data_ptr() not in state.saved_storages
     )
 
 

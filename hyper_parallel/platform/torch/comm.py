@@ -24,11 +24,15 @@ def backend_for_device(device_type: str) -> str:
 
 
 class TorchHandle(Handle):
-    """Wraps a ``torch.distributed.Work``; a timed-out wait names the operation."""
+    """Wraps a ``torch.distributed.Work``; a failed wait names the operation and the peer.
 
-    def __init__(self, work: Any, what: str) -> None:
+    ``keep`` holds tensors the operation reads until it completes (e.g. a contiguous copy).
+    """
+
+    def __init__(self, work: Any, what: str, keep: Any = None) -> None:
         self._work = work
         self._what = what
+        self._keep = keep
         self._done = False
 
     def wait(self, timeout: float | None = None) -> None:
@@ -38,8 +42,11 @@ class TorchHandle(Handle):
         try:
             self._work.wait(datetime.timedelta(seconds=seconds))
         except RuntimeError as exc:
-            raise TimeoutError(f"{self._what} did not complete within {seconds:g}s: {exc}") from exc
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise TimeoutError(f"{self._what} did not complete within {seconds:g}s: {exc}") from exc
+            raise RuntimeError(f"{self._what} failed (did the peer rank die?): {exc}") from exc
         self._done = True
+        self._keep = None
 
     def is_completed(self) -> bool:
         return self._done or bool(self._work.is_completed())
@@ -86,24 +93,31 @@ class TorchCommunicator(Communicator):
 
     # P2P ----------------------------------------------------------------------------
     def isend(self, tensor: Any, dst: int, group: Group | None = None, tag: int = 0) -> Handle:
+        tensor = tensor.contiguous()  # the engines send contiguous memory only
         work = dist.isend(tensor, dst=dst, group=self._pg(group), tag=tag)
-        return TorchHandle(work, f"send from rank {self.rank} to rank {dst}")
+        return TorchHandle(work, f"send from rank {self.rank} to rank {dst}", keep=tensor)
 
     def irecv(self, tensor: Any, src: int, group: Group | None = None, tag: int = 0) -> Handle:
+        if not tensor.is_contiguous():
+            raise ValueError(f"rank {self.rank}: a receive buffer must be contiguous")
         work = dist.irecv(tensor, src=src, group=self._pg(group), tag=tag)
         return TorchHandle(work, f"receive on rank {self.rank} from rank {src}")
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
         if not ops:
             return []
+        for op in ops:
+            if op.op == "irecv" and not op.tensor.is_contiguous():
+                raise ValueError(f"rank {self.rank}: a receive buffer must be contiguous")
+        tensors = [op.tensor.contiguous() for op in ops]
         native = [
-            dist.P2POp(dist.isend if op.op == "isend" else dist.irecv, op.tensor, op.peer, self._pg(op.group), op.tag)
-            for op in ops
+            dist.P2POp(dist.isend if op.op == "isend" else dist.irecv, t, op.peer, self._pg(op.group), op.tag)
+            for op, t in zip(ops, tensors, strict=True)
         ]
         works = dist.batch_isend_irecv(native)
         return [
-            TorchHandle(w, f"batched {op.op} between rank {self.rank} and rank {op.peer}")
-            for w, op in zip(works, ops, strict=True)
+            TorchHandle(w, f"batched {op.op} between rank {self.rank} and rank {op.peer}", keep=t)
+            for w, op, t in zip(works, ops, tensors, strict=True)
         ]
 
     # collectives --------------------------------------------------------------------

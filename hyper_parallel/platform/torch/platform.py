@@ -13,6 +13,7 @@ import torch
 
 from hyper_parallel.platform.base import Communicator, ForwardRecord, Platform
 from hyper_parallel.platform.torch.autograd import (
+    releasable,
     stage_backward,
     stage_backward_input,
     stage_backward_weight,
@@ -162,9 +163,12 @@ class TorchPlatform(Platform):
     def storage_nbytes(self, tensor: Any) -> int:
         return int(tensor.untyped_storage().nbytes())
 
+    def releasable(self, record: ForwardRecord, tensor: Any) -> bool:
+        return releasable(record, tensor)
+
     def release_storage(self, tensor: Any) -> None:
-        # Swap the data for an empty tensor; the autograd node (grad_fn) is untouched, and a
-        # graph that saved this output keeps its own reference, so backward stays correct.
+        # Swap the data for an empty tensor; the autograd node (grad_fn) is untouched. Only
+        # called on outputs that ``releasable`` accepted (not saved by their own graph).
         tensor.data = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
 
     # ------------------------------------------------------------------ stage autograd
