@@ -22,3 +22,18 @@ def test_demo_trains_and_matches_the_non_pipelined_step():
     assert len(re.findall(r"^step \d/3  loss \d+\.\d+$", out, flags=re.M)) == 3
     diff = float(re.search(r"vs the same step without a pipeline: (\S+) \(OK", out).group(1))
     assert diff <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_demo_on_mindspore_local_cluster():
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hyper_parallel.cli", "demo", "--backend", "mindspore", "--steps", "2",
+         "--micro-batches", "4", "--batch-size", "8", "--schedule", "gpipe"],
+        capture_output=True, text=True, timeout=280, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "MindSpore LocalCluster ranks" in proc.stdout
+    assert len(re.findall(r"^step \d/2  loss \d+\.\d+$", proc.stdout, flags=re.M)) == 2
+    diff = float(re.search(r"vs the same step without a pipeline: (\S+) \(OK", proc.stdout).group(1))
+    assert diff <= 1e-4
