@@ -18,11 +18,11 @@ demo: $(STAMP)
 	$(VENV)/bin/hyper-parallel demo
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check hyper_parallel tests benchmarks examples
+	$(VENV)/bin/ruff check hyper_parallel tests benchmarks
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hyper_parallel tests benchmarks examples
+	$(VENV)/bin/ruff check hyper_parallel tests benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info
