@@ -288,6 +288,10 @@ class Platform(ABC):
     @abstractmethod
     def is_floating(self, tensor: Any) -> bool: ...
 
+    def requires_grad(self, tensor: Any) -> bool:
+        """Whether a gradient can flow back through ``tensor`` (backends that cannot tell: floating)."""
+        return self.is_floating(tensor)
+
     def numel(self, tensor: Any) -> int:
         n = 1
         for d in self.shape(tensor):

@@ -46,6 +46,13 @@ class Residual(Tanh):
         return residual @ self.w, residual
 
 
+class WithMask(Tanh):
+    """Returns a float mask computed without gradient next to its result."""
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w), (x > 0).float()
+
+
 class TwoInputLoss(Tanh):
     def forward(self, hidden, residual):
         return (hidden * residual @ self.w).pow(2).mean()
@@ -80,12 +87,13 @@ def _pipeline(builders, x, m, schedule=Schedule1F1B):
     return LocalCluster(len(builders), platform="torch").run(body)
 
 
-@pytest.mark.parametrize("case", ["buffer", "identity", "saved_residual"])
+@pytest.mark.parametrize("case", ["buffer", "identity", "saved_residual", "no_grad_output"])
 def test_outputs_the_backward_or_the_model_still_needs_are_not_released(case):
     builders = {
         "buffer": [lambda: ReturnsBuffer(0), lambda: TakesBuffer(1)],
         "identity": [lambda: Tanh(0), Identity, lambda: SquareLoss(2)],
         "saved_residual": [lambda: Residual(0), lambda: TwoInputLoss(1)],
+        "no_grad_output": [lambda: WithMask(0), lambda: TwoInputLoss(1)],
     }[case]
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
     expected = _oracle([b() for b in builders], x, 4)

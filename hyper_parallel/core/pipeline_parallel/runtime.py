@@ -32,6 +32,7 @@ CustomFunction = Callable[[MetaStep, "StepContext"], None]
 class _PendingRecv:
     handles: list[Handle]
     buffers: list[Any]
+    metas: list[TensorMeta]
     peer: int
     step: MetaStep
 
@@ -157,10 +158,10 @@ class PipelineRuntime:
             args, kwargs = self.micro_args[i], self.micro_kwargs[i]
             grad_args = [False] * len(args)
         else:
-            args = self._forward_inputs(s, i)
+            args, metas = self._forward_inputs(s, i)
             kwargs = {}
-            grad_args = [self.p.is_tensor(a) and self.p.is_floating(a) for a in args]
-        self.in_meta[(s, i)] = [TensorMeta(self.p.shape(a), self.p.dtype_name(a)) for a in args if self.p.is_tensor(a)]
+            grad_args = [m.requires_grad for m in metas]
+            self.in_meta[(s, i)] = metas
         record = self.p.stage_forward(self._stage_fn(stage, i), args, kwargs, stage.params, grad_args)
         self.records[(s, i)] = record
         self.live_activations += 1
@@ -179,7 +180,7 @@ class PipelineRuntime:
         for o in outputs:
             if not self.p.is_tensor(o):
                 raise TypeError(f"stage {s} must return tensors to pass to stage {s + 1}, got {type(o).__name__}")
-        self.out_meta[(s, i)] = [TensorMeta(self.p.shape(o), self.p.dtype_name(o)) for o in outputs]
+        self.out_meta[(s, i)] = [self._meta(o) for o in outputs]
         self.outputs[(s, i)] = outputs
 
     def _output_grads(self, s: int, i: int) -> list[Any]:
@@ -211,10 +212,18 @@ class PipelineRuntime:
     def _activation_freed(self, s: int, i: int) -> None:
         self.live_activations -= 1
 
-    def _forward_inputs(self, s: int, i: int) -> tuple[Any, ...]:
+    def _meta(self, tensor: Any) -> TensorMeta:
+        differentiable = self.p.is_floating(tensor) and self.p.requires_grad(tensor)
+        return TensorMeta(self.p.shape(tensor), self.p.dtype_name(tensor), differentiable)
+
+    def _forward_inputs(self, s: int, i: int) -> tuple[tuple[Any, ...], list[TensorMeta]]:
+        """Stage s's inputs of micro-batch i and their metadata (as agreed with the sender)."""
         if (s - 1) in self.stages:
-            return tuple(self.outputs.pop((s - 1, i)))
-        return tuple(self._take_recv("F", s, i))
+            outputs = tuple(self.outputs.pop((s - 1, i)))
+            return outputs, [self._meta(o) for o in outputs]
+        recv = self.recvs.get(("F", s, i))
+        metas = list(recv.metas) if recv is not None else []
+        return tuple(self._take_recv("F", s, i)), metas
 
     # ------------------------------------------------------------------ communication
     def _peer(self, step: MetaStep) -> int:
@@ -269,16 +278,17 @@ class PipelineRuntime:
         pending = []
         for step in steps:
             peer = self._peer(step)
-            buffers = [self.p.empty(m.shape, m.dtype) for m in self._recv_metas(step)]
-            pending.append((step, peer, buffers, len(ops)))
+            metas = self._recv_metas(step)
+            buffers = [self.p.empty(m.shape, m.dtype) for m in metas]
+            pending.append((step, peer, buffers, metas, len(ops)))
             ops += [P2POp("irecv", b, peer) for b in buffers]
         handles = self._issue(ops)
-        for step, peer, buffers, first in pending:
+        for step, peer, buffers, metas, first in pending:
             kind = "F" if step.meta_type is MetaStepType.FWD_RECV else "B"
             key = (kind, step.stage_index, step.micro_index)
             if key in self.recvs:
                 raise RuntimeError(f"rank {self.rank}: {step} posted twice")
-            recv = _PendingRecv(handles[first : first + len(buffers)], buffers, peer, step)
+            recv = _PendingRecv(handles[first : first + len(buffers)], buffers, metas, peer, step)
             self.recvs[key] = recv
             if not self.overlap_p2p:
                 for h in recv.handles:

@@ -128,6 +128,9 @@ class TorchPlatform(Platform):
     def is_floating(self, tensor: Any) -> bool:
         return bool(tensor.is_floating_point() or tensor.is_complex())
 
+    def requires_grad(self, tensor: Any) -> bool:
+        return bool(tensor.requires_grad)
+
     def cat(self, tensors: Sequence[Any], dim: int = 0) -> Any:
         return torch.cat(list(tensors), dim=dim)
 
