@@ -187,3 +187,31 @@ def test_custom_function_runs_instead_of_the_builtin_step():
     grads = {k: v for _, _, g in results for k, v in g.items()}
     for name in ref_grads:
         np.testing.assert_allclose(grads[name], ref_grads[name], atol=1e-5, rtol=0)
+
+
+def _two_pipelines_on_a_mesh(framework):
+    from hyper_parallel import PipelineStage, Schedule1F1B, init_device_mesh
+
+    p = get_platform()
+    mod = models(framework)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    config = small_config()
+    stage = PipelineStage(mod.GPTStage(config, pp_rank, 2, init_gpt_weights(config, 0)), pp_rank, 2, mesh=mesh)
+    schedule = Schedule1F1B(stage, 2, loss_fn=mod.cross_entropy_loss)
+    tokens, targets = batch(config, 4, seed=dp_rank)  # each data-parallel replica gets its own batch
+    losses = schedule.run(p.from_numpy(tokens), target=p.from_numpy(targets))
+    return dp_rank, [float(p.to_numpy(x)) for x in losses], {k: p.to_numpy(v) for k, v in stage.named_gradients().items()}
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_pipelines_on_the_pp_dimension_of_a_mesh(framework):
+    results = LocalCluster(4, platform=framework).run(_two_pipelines_on_a_mesh, framework)
+    config = small_config()
+    for dp_rank in (0, 1):
+        mine = [r for r in results if r[0] == dp_rank]
+        tokens, targets = batch(config, 4, seed=dp_rank)
+        ref_loss, ref_grads = full_model_oracle(framework, config, tokens, targets)
+        grads = {k: v for _, _, g in mine for k, v in g.items()}
+        losses = next(r[1] for r in mine if r[1])
+        check_against_oracle(framework, losses, grads, ref_loss, ref_grads)
