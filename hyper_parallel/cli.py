@@ -30,7 +30,7 @@ def _demo(args: argparse.Namespace) -> int:
     where = "torch gloo processes" if args.backend == "torch" else "MindSpore LocalCluster ranks"
     print(f"hyper-parallel demo: a small GPT (tied embeddings) on the shipped text, {opts.ranks} pipeline ranks "
           f"as {where}\n")
-    print(_chart_text(opts.schedule, opts.ranks, opts.micro_batches), "\n", flush=True)
+    print(_chart_text(opts.schedule, opts.ranks, opts.micro_batches) + "\n", flush=True)
     results: list[Any]
     if args.backend == "torch":
         from hyper_parallel.platform.torch.launch import launch_local

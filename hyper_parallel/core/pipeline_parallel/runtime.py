@@ -318,6 +318,8 @@ class PipelineRuntime:
             handle.wait()
         except TimeoutError as exc:
             raise TimeoutError(f"rank {self.rank}: step {step} waiting on rank {peer} failed: {exc}") from exc
+        except RuntimeError as exc:  # e.g. the peer's process died and closed the connection
+            raise RuntimeError(f"rank {self.rank}: step {step} waiting on rank {peer} failed: {exc}") from exc
 
     def _needs_meta(self, stage: PipelineStage) -> bool:
         return stage.dyn_shape or stage.input_meta is None
