@@ -190,26 +190,22 @@ class PipelineRuntime:
             return [self.p.ones_like(record.outputs[0])] + [None] * (len(record.outputs) - 1)
         if (s + 1) in self.stages:  # handed over on this rank
             return list(self.in_grads.pop((s + 1, i)))
-        received = iter(self._take_recv("B", s, i))
+        received = iter(self._take_recv("B", s, i).buffers)
         return [next(received) if m.differentiable else None for m in self.out_meta[(s, i)]]
 
     def backward(self, s: int, i: int, full: bool) -> None:
         grads = self._output_grads(s, i)
         self.out_meta.pop((s, i), None)
-        record = self.records[(s, i)] if not full else self.records.pop((s, i))
         if full:
-            input_grads = self.p.stage_backward(record, grads)
-            self._activation_freed(s, i)
-        else:
-            input_grads = self.p.stage_backward_input(record, grads)
+            input_grads = self.p.stage_backward(self.records.pop((s, i)), grads)
+            self.live_activations -= 1
+        else:  # the record stays until its weight backward
+            input_grads = self.p.stage_backward_input(self.records[(s, i)], grads)
         if not self.stages[s].is_first:
             self.in_grads[(s, i)] = input_grads
 
     def backward_weight(self, s: int, i: int) -> None:
         self.p.stage_backward_weight(self.records.pop((s, i)))
-        self._activation_freed(s, i)
-
-    def _activation_freed(self, s: int, i: int) -> None:
         self.live_activations -= 1
 
     def _meta(self, tensor: Any) -> TensorMeta:
@@ -221,9 +217,8 @@ class PipelineRuntime:
         if (s - 1) in self.stages:
             outputs = tuple(self.outputs.pop((s - 1, i)))
             return outputs, [self._meta(o) for o in outputs]
-        recv = self.recvs.get(("F", s, i))
-        metas = list(recv.metas) if recv is not None else []
-        return tuple(self._take_recv("F", s, i)), metas
+        recv = self._take_recv("F", s, i)
+        return tuple(recv.buffers), list(recv.metas)
 
     # ------------------------------------------------------------------ communication
     def _peer(self, step: MetaStep) -> int:
@@ -304,14 +299,15 @@ class PipelineRuntime:
             raise RuntimeError(f"rank {self.rank}: {step} is posted before the forward of that micro-batch ran")
         return [m for m in metas if m.differentiable]
 
-    def _take_recv(self, kind: str, s: int, i: int) -> list[Any]:
+    def _take_recv(self, kind: str, s: int, i: int) -> _PendingRecv:
+        """The completed receive of stage s's input ("F") or output gradient ("B") of micro-batch i."""
         recv = self.recvs.pop((kind, s, i), None)
         if recv is None:
             what = "input" if kind == "F" else "output gradient"
             raise RuntimeError(f"rank {self.rank}: the {what} of stage {s} micro-batch {i} was never received")
         for h in recv.handles:
             self._wait(h, recv.step, recv.peer)
-        return recv.buffers
+        return recv
 
     def _wait(self, handle: Handle, step: MetaStep, peer: int) -> None:
         try:
