@@ -21,18 +21,25 @@ PLATFORM_NAMES = ("torch", "mindspore")
 _logger = logging.getLogger("hyper_parallel")
 _global_platform: Platform | None = None
 _thread_state = threading.local()
+_running_local_clusters = 0  # LocalCluster.run calls in progress (see get_platform)
+_count_lock = threading.Lock()
 
 
-def _create(name: str) -> Platform:
+def platform_class(name: str) -> type[Platform]:
+    """The Platform subclass of a backend name (imports that framework)."""
     if name == "torch":
         from hyper_parallel.platform.torch import TorchPlatform
 
-        return TorchPlatform()
+        return TorchPlatform
     if name == "mindspore":
         from hyper_parallel.platform.mindspore import MindSporePlatform
 
-        return MindSporePlatform()
+        return MindSporePlatform
     raise ValueError(f"unknown platform {name!r}; valid platforms: {', '.join(PLATFORM_NAMES)}")
+
+
+def _create(name: str) -> Platform:
+    return platform_class(name)()
 
 
 def _choose_name() -> tuple[str, str]:
@@ -55,6 +62,12 @@ def get_platform() -> Platform:
     local = getattr(_thread_state, "platform", None)
     if local is not None:
         return local
+    if _running_local_clusters and threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "get_platform() was called from a thread that is not a LocalCluster rank while a LocalCluster "
+            "runs: hand the rank's platform to that thread with "
+            "hyper_parallel.platform.bind_thread_platform(platform)"
+        )
     global _global_platform
     if _global_platform is None:
         name, why = _choose_name()
@@ -85,6 +98,13 @@ def bind_thread_platform(platform: Platform | None) -> None:
     _thread_state.platform = platform
 
 
+def local_cluster_running(delta: int) -> None:
+    """LocalCluster.run announces its start (+1) and end (-1)."""
+    global _running_local_clusters
+    with _count_lock:
+        _running_local_clusters += delta
+
+
 __all__ = [
     "PLATFORM_NAMES",
     "CompletedHandle",
@@ -96,5 +116,6 @@ __all__ = [
     "Platform",
     "bind_thread_platform",
     "get_platform",
+    "platform_class",
     "set_platform",
 ]

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.platform import bind_thread_platform
+from hyper_parallel.platform import bind_thread_platform, local_cluster_running, platform_class
 from hyper_parallel.platform.base import (
     CompletedHandle,
     Communicator,
@@ -154,14 +154,24 @@ class _RecvHandle(Handle):
         self._done = False
 
     def is_completed(self) -> bool:
+        """True once the message arrived (its data is then in the buffer, as with the engines)."""
         if self._done:
             return True
-        with self._comm.state.cond:
-            return self._ticket in self._comm.state.mailbox(self._src, self._comm.rank, self._kind).messages
+        state = self._comm.state
+        with state.cond:
+            box = state.mailbox(self._src, self._comm.rank, self._kind)
+            if self._ticket not in box.messages:
+                # Let the other ranks run for a moment, so a caller polling in a loop makes progress.
+                state.cond.wait(0.001)
+            if self._ticket not in box.messages:
+                return False
+        self.wait()
+        return True
 
     def wait(self, timeout: float | None = None) -> None:
         if self._done:
             return
+        self._comm._check_thread()
         state, me = self._comm.state, self._comm.rank
         with state.cond:
             box = state.mailbox(self._src, me, self._kind)
@@ -184,6 +194,15 @@ class LocalCommunicator(Communicator):
         self._rank = rank
         self._world = Group(tuple(range(state.world_size)))
         self.platform: Platform | None = None  # set by LocalCluster right after creation
+        self.thread: threading.Thread | None = None  # the rank's own thread, set when it starts
+
+    def _check_thread(self) -> None:
+        # A rank's helper thread would wait for the lock its own rank holds: refuse instead of hanging.
+        if self.thread is not None and threading.current_thread() is not self.thread:
+            raise RuntimeError(
+                f"rank {self._rank}: LocalCluster communication must run on the rank's own thread, "
+                f"not on {threading.current_thread().name!r}"
+            )
 
     @property
     def rank(self) -> int:
@@ -198,7 +217,7 @@ class LocalCommunicator(Communicator):
         return self._world
 
     def new_group(self, ranks: Sequence[int]) -> Group:
-        ranks = tuple(int(r) for r in ranks)
+        ranks = tuple(sorted(int(r) for r in ranks))  # group order is global-rank order, as torch does
         bad = [r for r in ranks if not 0 <= r < self.world_size]
         if bad or len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"invalid group ranks {list(ranks)} for world size {self.world_size}")
@@ -215,6 +234,7 @@ class LocalCommunicator(Communicator):
 
     # P2P ----------------------------------------------------------------------------
     def _post_send(self, payload: Any, dst: int, tag: int, kind: str) -> None:
+        self._check_thread()
         self._check_peer(dst)
         state = self.state
         with state.cond:
@@ -224,6 +244,7 @@ class LocalCommunicator(Communicator):
             state.cond.notify_all()
 
     def _post_recv(self, src: int, kind: str) -> int:
+        self._check_thread()
         self._check_peer(src)
         with self.state.cond:
             box = self.state.mailbox(src, self._rank, kind)
@@ -262,6 +283,7 @@ class LocalCommunicator(Communicator):
 
     # collectives --------------------------------------------------------------------
     def _meet(self, kind: str, group: Group | None, brought: Any, combine: Callable[[dict[int, Any]], dict]) -> Any:
+        self._check_thread()
         ranks = (group or self._world).ranks
         if self._rank not in ranks:
             raise ValueError(f"rank {self._rank} called {kind} on group {list(ranks)} it is not part of")
@@ -294,6 +316,18 @@ class LocalCommunicator(Communicator):
                 del state.meetings[(ranks, seq)]
             return result
 
+    def _same_layout(self, kind: str, brought: dict[int, Any]) -> None:
+        """Every rank brought a tensor of one shape and dtype; otherwise name two that differ."""
+        p = self._p
+        layouts = {r: (p.shape(t), p.dtype_name(t)) for r, t in brought.items()}
+        first = min(layouts)
+        for r, layout in sorted(layouts.items()):
+            if layout != layouts[first]:
+                (s0, d0), (s1, d1) = layouts[first], layout
+                raise ValueError(
+                    f"{kind}: rank {first} brought {d0}{list(s0)} but rank {r} brought {d1}{list(s1)}"
+                )
+
     def _ordered(self, brought: dict[int, Any], group: Group | None) -> list[Any]:
         return [brought[r] for r in (group or self._world).ranks]
 
@@ -306,6 +340,7 @@ class LocalCommunicator(Communicator):
         check_reduce_op(op)
 
         def combine(brought: dict[int, Any]) -> dict[int, Any]:
+            self._same_layout("all_reduce", brought)
             total = self._reduce(self._ordered(brought, group), op, tensor)
             return {r: total for r in brought}
 
@@ -333,6 +368,7 @@ class LocalCommunicator(Communicator):
 
     def broadcast(self, tensor: Any, src: int, group: Group | None = None) -> Any:
         def combine(brought: dict[int, Any]) -> dict[int, Any]:
+            self._same_layout("broadcast", brought)
             return {r: brought[src] for r in brought}
 
         if src not in (group or self._world).ranks:
@@ -367,6 +403,8 @@ class LocalCommunicator(Communicator):
             return pickle.loads(box.messages.pop(ticket).payload)
 
     def broadcast_object(self, obj: Any, src: int, group: Group | None = None) -> Any:
+        if src not in (group or self._world).ranks:
+            raise ValueError(f"broadcast source rank {src} is not in group {list((group or self._world).ranks)}")
         data = pickle.dumps(obj) if src == self._rank else None
         result = self._meet(f"broadcast_object(src={src})", group, data, lambda b: {r: b[src] for r in b})
         return pickle.loads(result)
@@ -377,18 +415,6 @@ class LocalCommunicator(Communicator):
             return {r: ordered for r in brought}
 
         return [pickle.loads(b) for b in self._meet("all_gather_object", group, pickle.dumps(obj), combine)]
-
-
-def _platform_class(name: str) -> type[Platform]:
-    if name == "torch":
-        from hyper_parallel.platform.torch import TorchPlatform
-
-        return TorchPlatform
-    if name == "mindspore":
-        from hyper_parallel.platform.mindspore import MindSporePlatform
-
-        return MindSporePlatform
-    raise ValueError(f"unknown platform {name!r}; valid platforms: torch, mindspore")
 
 
 class LocalCluster:
@@ -405,7 +431,7 @@ class LocalCluster:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         self.world_size = world_size
         self.platform_name = platform
-        self._platform_class = _platform_class(platform)
+        self._platform_class = platform_class(platform)
         self.timeout = default_comm_timeout() if timeout is None else float(timeout)
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout!r}")
@@ -424,6 +450,7 @@ class LocalCluster:
         state.live = set(range(self.world_size))
 
         def body(rank: int) -> None:
+            platforms[rank].comm.thread = threading.current_thread()  # type: ignore[attr-defined]
             bind_thread_platform(platforms[rank])
             with state.cond:
                 try:
@@ -440,10 +467,14 @@ class LocalCluster:
             threading.Thread(target=body, args=(rank,), name=f"hyper-parallel-rank-{rank}", daemon=True)
             for rank in range(self.world_size)
         ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        local_cluster_running(+1)
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            local_cluster_running(-1)
         if state.failure is not None:
             rank, error = state.failure
             raise RankFailedError(rank, error) from error

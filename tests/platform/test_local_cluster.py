@@ -187,3 +187,85 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown platform 'jax'"):
         LocalCluster(2, platform="jax")
     assert LocalCluster(3).run(lambda: get_platform().rank) == [0, 1, 2]
+
+
+def _helper_threads():
+    import threading
+
+    from hyper_parallel.platform import bind_thread_platform
+
+    p = get_platform()
+    seen = {}
+
+    def unbound():
+        try:
+            get_platform()
+        except RuntimeError as exc:
+            seen["unbound"] = str(exc)
+
+    def bound():
+        bind_thread_platform(p)
+        seen["bound"] = get_platform().rank
+        try:
+            p.all_reduce(p.zeros((1,), "float32"))
+        except RuntimeError as exc:
+            seen["comm"] = str(exc)
+
+    for target in (unbound, bound):
+        t = threading.Thread(target=target)
+        t.start()
+        t.join()
+    return seen
+
+
+def test_helper_threads_get_clear_errors_instead_of_a_wrong_platform_or_a_hang():
+    results = LocalCluster(2, platform="torch", timeout=30).run(_helper_threads)
+    for r, seen in enumerate(results):
+        assert "bind_thread_platform" in seen["unbound"]
+        assert seen["bound"] == r
+        assert f"rank {r}: LocalCluster communication must run on the rank's own thread" in seen["comm"]
+
+
+def _poll_until_complete():
+    p = get_platform()
+    if p.rank == 1:
+        p.isend(_arr(p, [7.0]), 0)
+        return None
+    buf = p.zeros((1,), "float32")
+    handle = p.irecv(buf, 1)
+    while not handle.is_completed():  # rank 1 must get its turn while rank 0 polls (else: a hang)
+        pass
+    return float(p.to_numpy(buf)[0])
+
+
+@pytest.mark.timeout(120)
+def test_polling_a_receive_lets_the_sender_run():
+    assert LocalCluster(2, platform="torch", timeout=30).run(_poll_until_complete)[0] == 7.0
+
+
+def _groups_in_rank_order():
+    p = get_platform()
+    group = p.new_group([1, 0] if p.rank == 0 else [0, 1])  # the same group, listed differently
+    gathered = [float(p.to_numpy(t)[0]) for t in p.all_gather(_arr(p, [p.rank]), group=group)]
+    return group.ranks, gathered
+
+
+def test_group_ranks_are_in_global_rank_order_like_the_engines():
+    assert LocalCluster(2, platform="torch").run(_groups_in_rank_order) == [((0, 1), [0.0, 1.0])] * 2
+
+
+def _mismatched_all_reduce():
+    p = get_platform()
+    p.all_reduce(p.zeros((2 + p.rank,), "float32"))
+
+
+def _broadcast_object_outside_group():
+    p = get_platform()
+    p.broadcast_object("x", src=1, group=p.new_group([0]))
+
+
+def test_collective_argument_errors_name_ranks():
+    with pytest.raises(RankFailedError, match=r"all_reduce: rank 0 brought float32\[2\] but rank 1 brought float32\[3\]"):
+        LocalCluster(2, platform="torch", timeout=30).run(_mismatched_all_reduce)
+    with pytest.raises(RankFailedError, match=r"broadcast source rank 1 is not in group \[0\]"):
+        LocalCluster(2, platform="torch", timeout=30).run(_broadcast_object_outside_group)

@@ -264,6 +264,17 @@ def test_jit_cell_full_backward_and_split(plat: MindSporePlatform) -> None:
         np.testing.assert_allclose(plat.get_grad(p).asnumpy(), ref.asnumpy(), rtol=RTOL, atol=ATOL)
     plat.zero_grads(params)
 
+    def wrapped(a: Any) -> Any:  # as the pipeline wraps its last stage (loss closure)
+        return (cell(a),)
+
+    wrapped.__wrapped__ = cell
+    rec = plat.stage_forward(wrapped, (x,), {}, params, (True,))
+    plat.stage_backward_input(rec, (ops.ones_like(rec.outputs[0]),))
+    plat.stage_backward_weight(rec)
+    for p, ref in zip(params, dw_ref):
+        np.testing.assert_allclose(plat.get_grad(p).asnumpy(), ref.asnumpy(), rtol=RTOL, atol=ATOL)
+    plat.zero_grads(params)
+
 
 # ---------------------------------------------------------------------------- threads (baton)
 class Baton:
@@ -451,3 +462,19 @@ def test_device_streams_events_offload_and_single_process_comm() -> None:
         plat.isend(t, 0)
     with pytest.raises(ValueError, match="reduce op"):
         plat.all_reduce(t, "mean")
+
+
+def test_parameter_frozen_after_the_stage_was_built_gets_no_gradient(plat: MindSporePlatform) -> None:
+    ms.set_seed(11)
+    cell = nn.Dense(3, 2)
+    params = tuple(cell.trainable_params())
+    x = _tensor(np.random.default_rng(11), 4, 3)
+    _, dw_ref = ms.grad(lambda a: cell(a).sum(), 0, params)(x)
+    cell.bias.requires_grad = False  # frozen after the list of parameters was taken
+    plat.zero_grads(params)
+    rec = plat.stage_forward(cell, (x,), {}, params, (True,))
+    plat.stage_backward(rec, (ops.ones_like(rec.outputs[0]),))
+    np.testing.assert_allclose(plat.get_grad(cell.weight).asnumpy(), dw_ref[0].asnumpy(), rtol=RTOL, atol=ATOL)
+    assert plat.get_grad(cell.bias) is None
+    cell.bias.requires_grad = True
+    plat.zero_grads(params)

@@ -141,15 +141,17 @@ class PipelineRuntime:
         module = stage.submodule
         if not stage.is_last:
             return module
-        if self.loss_fn is None:
-            return lambda *a, **k: (module(*a, **k),)
-        loss_fn, target = self.loss_fn, self.targets[micro]
+        loss_fn = self.loss_fn
+        target = self.targets[micro] if loss_fn is not None else None
 
         def with_loss(*a: Any, **k: Any) -> Any:
             out = module(*a, **k)
+            if loss_fn is None:  # the stage's output is the loss
+                return (out,)
             flat = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             return (loss_fn(out, target), *flat)
 
+        with_loss.__wrapped__ = module  # type: ignore[attr-defined]  # lets backends see the module
         return with_loss
 
     def forward(self, s: int, i: int) -> None:

@@ -135,8 +135,20 @@ def _input_grads(args: Sequence[Any], positions: Sequence[int], values: Sequence
 _JIT_CELLS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
+def _trainable(params: Sequence[Any]) -> tuple[Any, ...]:
+    """Parameters that take gradients (one frozen after the stage was built is left out)."""
+    return tuple(p for p in params if getattr(p, "requires_grad", True))
+
+
 def uses_jit(fn: Any) -> bool:
-    """Whether ``fn`` is an ``@ms.jit`` function or a Cell with an ``@ms.jit`` construct inside."""
+    """Whether ``fn`` is an ``@ms.jit`` function or a Cell with an ``@ms.jit`` construct inside.
+
+    A wrapper (e.g. the pipeline runtime's loss closure) points at what it wraps with ``__wrapped__``.
+    """
+    while not isinstance(fn, ms.nn.Cell) and hasattr(fn, "__wrapped__"):
+        if getattr(fn, "__wrapped_by_jit__", False):
+            return True
+        fn = fn.__wrapped__
     if getattr(fn, "__wrapped_by_jit__", False):
         return True
     if not isinstance(fn, ms.nn.Cell):
@@ -228,7 +240,7 @@ class EngineAutograd:
         state = _State(args=tuple(call_args), positions=positions)
         state.extra["jit"] = uses_jit(fn)
         return ForwardRecord(result, flatten_tensors(result), tuple(bool(f) for f in grad_args),
-                             tuple(params), state)
+                             _trainable(params), state)
 
     @staticmethod
     def _roots(record: ForwardRecord, grads: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -333,7 +345,7 @@ class RecomputeAutograd:
         state = _State(args=tuple(call_args), positions=positions)
         state.extra.update(fn=fn, kwargs=dict(kwargs))
         return ForwardRecord(result, flatten_tensors(result), tuple(bool(f) for f in grad_args),
-                             tuple(params), state)
+                             _trainable(params), state)
 
     def _gradients(self, record: ForwardRecord, grads: Sequence[Any]) -> tuple[list[Any], tuple[Any, ...]]:
         """(input grads at the differentiable positions, parameter grads) of one record."""

@@ -80,7 +80,7 @@ class TorchCommunicator(Communicator):
         return self._world
 
     def new_group(self, ranks: Sequence[int]) -> Group:
-        ranks = tuple(int(r) for r in ranks)
+        ranks = tuple(sorted(int(r) for r in ranks))  # torch orders a group by global rank
         if ranks == self._world.ranks:
             return self._world
         return Group(ranks, native=dist.new_group(list(ranks)))
