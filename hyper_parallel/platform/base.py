@@ -158,6 +158,37 @@ class Communicator(ABC):
     def all_gather_object(self, obj: Any, group: Group | None = None) -> list[Any]: ...
 
 
+class HostStream:
+    """Stream stand-in on the host, where kernels run in issue order.
+
+    ``drain`` (optional) waits for queued kernels: MindSpore may dispatch asynchronously even
+    on the CPU; torch's CPU kernels are done when they return.
+    """
+
+    def __init__(self, drain: Callable[[], Any] | None = None) -> None:
+        self._drain = drain
+
+    def synchronize(self) -> None:
+        if self._drain is not None:
+            self._drain()
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class HostEvent(HostStream):
+    """Event stand-in on the host: ``record``/``wait`` are no-ops, ``synchronize`` drains."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+
 @dataclass
 class ForwardRecord:
     """What one stage forward keeps for its backward.

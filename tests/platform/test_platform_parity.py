@@ -154,6 +154,20 @@ def test_tensor_helpers(case):
     assert p.device_type == "cpu"
 
 
+def test_streams_and_events_order_work(case):
+    p = case.platform
+    stream, event = p.new_stream(), p.new_event()
+    with p.stream_context(stream):
+        t = p.from_numpy(np.ones((3,), np.float32))
+        doubled = t + t
+        event.record(stream)
+    event.wait()
+    event.synchronize()
+    p.synchronize()
+    assert event.query()
+    np.testing.assert_array_equal(p.to_numpy(doubled), [2.0, 2.0, 2.0])
+
+
 def _micro_data(seed: int = 1):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((BATCH, D_IN)).astype(np.float32)

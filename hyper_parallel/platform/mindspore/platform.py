@@ -19,7 +19,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ops
 
-from hyper_parallel.platform.base import Communicator, ForwardRecord, Platform
+from hyper_parallel.platform.base import Communicator, ForwardRecord, HostEvent, HostStream, Platform
 from hyper_parallel.platform.mindspore.autograd import StageAutograd, create_autograd
 from hyper_parallel.platform.mindspore.dtypes import _FLOATING, _NAMES, dtype_name_of, ms_dtype
 
@@ -42,35 +42,6 @@ def ensure_device() -> None:
     if _device_target() == "CPU":
         with contextlib.suppress(RuntimeError):  # the runtime already started: leave it alone
             ms.set_device("CPU")
-
-
-class HostStream:
-    """Stand-in stream on the CPU, where MindSpore runs every kernel in issue order."""
-
-    def synchronize(self) -> None:
-        ms.runtime.synchronize()
-
-    def wait_stream(self, stream: Any) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-
-class HostEvent:
-    """Stand-in event on the CPU: ``record``/``wait`` are no-ops, ``synchronize`` drains the queue."""
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        ms.runtime.synchronize()
-
-    def query(self) -> bool:
-        return True
 
 
 class MindSporePlatform(Platform):
@@ -250,7 +221,7 @@ class MindSporePlatform(Platform):
     def new_stream(self) -> Any:
         """A ``mindspore.runtime.Stream`` on a device; a :class:`HostStream` stand-in on the CPU."""
         if self.device_type == "cpu":
-            return HostStream()
+            return HostStream(ms.runtime.synchronize)
         return ms.runtime.Stream()
 
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
@@ -261,7 +232,7 @@ class MindSporePlatform(Platform):
     def new_event(self) -> Any:
         """A ``mindspore.runtime.Event`` on a device; a :class:`HostEvent` stand-in on the CPU."""
         if self.device_type == "cpu":
-            return HostEvent()
+            return HostEvent(ms.runtime.synchronize)
         return ms.runtime.Event()
 
     # ------------------------------------------------------------------ host offload

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hyper_parallel.platform.base import Communicator, ForwardRecord, Platform
+from hyper_parallel.platform.base import Communicator, ForwardRecord, HostEvent, HostStream, Platform
 from hyper_parallel.platform.torch.autograd import (
     releasable,
     stage_backward,
@@ -51,26 +51,6 @@ def _detect_device_type() -> str:
     if torch.cuda.is_available():
         return "cuda"
     return "cpu"
-
-
-class _HostStream:
-    """The CPU has one implicit stream: work is done when the call returns."""
-
-
-class _HostEvent:
-    """Event on the CPU: every operation has completed when it returns, so all are no-ops."""
-
-    def record(self, stream: Any = None) -> None:
-        return None
-
-    def wait(self, stream: Any = None) -> None:
-        return None
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
 
 
 class TorchPlatform(Platform):
@@ -232,17 +212,17 @@ class TorchPlatform(Platform):
 
     def new_stream(self) -> Any:
         accel = self._accel()
-        return _HostStream() if accel is None else accel.Stream()
+        return HostStream() if accel is None else accel.Stream()
 
     def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
         accel = self._accel()
-        if accel is None or isinstance(stream, _HostStream):
+        if accel is None or isinstance(stream, HostStream):
             return contextlib.nullcontext(stream)
         return accel.stream(stream)
 
     def new_event(self) -> Any:
         accel = self._accel()
-        return _HostEvent() if accel is None else accel.Event()
+        return HostEvent() if accel is None else accel.Event()
 
     # ------------------------------------------------------------------ host offload
     def to_host(self, tensor: Any, non_blocking: bool = False) -> Any:
