@@ -172,3 +172,34 @@ def test_tuple_target_is_split_per_micro_batch():
         LocalCluster(1, platform="torch").run(
             lambda: ScheduleGPipe(PipelineStage(TupleTargetLoss(), 0, 1), 3, loss_fn=loss_fn).run(x, target="y")
         )
+
+
+class ListOutput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.eye(4) * 0.5)
+
+    def forward(self, x):
+        return [x @ self.w, x.sum(-1)]
+
+
+def test_last_stage_returning_a_list_with_a_loss_fn_and_merged_outputs():
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
+
+    def loss_fn(out, target):
+        return (out[0] - target).pow(2).mean() + out[1].mean()
+
+    def body():
+        stage = PipelineStage(ListOutput(), 0, 1)
+        schedule = ScheduleGPipe(stage, 3, loss_fn=loss_fn, output_concat_dim=0)
+        losses = schedule.run(x, target=x)
+        return [float(v) for v in losses], schedule.outputs, stage.named_gradients()["w"].clone()
+
+    losses, outputs, grad = LocalCluster(1, platform="torch").run(body)[0]
+    ref = ListOutput()
+    expected = [loss_fn(ref(a), a) for a in x.chunk(3)]
+    assert losses == pytest.approx([float(e.detach()) for e in expected], abs=1e-6)
+    (sum(expected) / 3).backward()
+    torch.testing.assert_close(grad, ref.w.grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(outputs[0], (x @ ref.w).detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(outputs[1], x.sum(-1), rtol=0, atol=1e-6)

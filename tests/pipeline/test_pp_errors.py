@@ -104,6 +104,7 @@ def test_loss_checks():
     _raises(lambda: _run_one(None, tokens, None), ValueError, r"must be a scalar tensor, got \(2, 8, 24\)")
     _raises(lambda: _run_one(None, tokens, targets), ValueError, "got a target but the schedule has no loss_fn")
     _raises(lambda: _run_one(mod.cross_entropy_loss, tokens, targets, swap=True), NotImplementedError, "swap")
+    _raises(lambda: _run_one(None, tokens, None, output_concat_dim=0), ValueError, "output_concat_dim needs a loss_fn")
 
 
 def _different_micro_batch_counts():
