@@ -40,7 +40,7 @@ class _PendingRecv:
 @dataclass
 class _PendingSend:
     handle: Handle
-    keep_alive: Any
+    keep_alive: Any  # the sent tensor: not every engine's handle holds it until the send completes
     release: list[Any] = field(default_factory=list)
 
 
