@@ -100,13 +100,10 @@ def sum_gradients(p: Platform, stages: dict[int, PipelineStage], holders: Holder
             mine = [s for s, r in owners if r == me]
             if not mine:
                 continue
-            local = _grad_or_zeros(p, _local(stages, name, mine[0]))
-            for stage_index in mine[1:]:
-                local = local + _grad_or_zeros(p, _local(stages, name, stage_index))
             # Several holders on one non-owner rank send one message each so the owner sums in stage order.
             for stage_index in mine:
                 p.isend(_grad_or_zeros(p, _local(stages, name, stage_index)), owner_rank).wait()
-            total = p.empty_like(local)
+            total = p.empty_like(p.param_data(_local(stages, name, mine[0])))
             p.irecv(total, owner_rank).wait()
             for stage_index in mine:
                 p.set_grad(_local(stages, name, stage_index), p.clone(total))
