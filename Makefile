@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint docs venv clean
 
 $(STAMP): platform/cpu/requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,12 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check hyper_parallel tests benchmarks
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# The documentation site into site/, strict: a broken link or a missing API reference fails it.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hyper_parallel tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

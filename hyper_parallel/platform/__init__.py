@@ -25,17 +25,36 @@ _running_local_clusters = 0  # LocalCluster.run calls in progress (see get_platf
 _count_lock = threading.Lock()
 
 
-def platform_class(name: str) -> type[Platform]:
-    """The Platform subclass of a backend name (imports that framework)."""
-    if name == "torch":
-        from hyper_parallel.platform.torch import TorchPlatform
+_INSTALL_HINTS = {
+    "torch": "pip install 'hyper-parallel[torch]' (CPU-only wheels: "
+             "pip install torch --index-url https://download.pytorch.org/whl/cpu)",
+    "mindspore": "pip install 'hyper-parallel[mindspore]'",
+}
 
-        return TorchPlatform
-    if name == "mindspore":
+
+def platform_class(name: str) -> type[Platform]:
+    """The Platform subclass of a backend name (imports that framework).
+
+    Raises ImportError naming the extra to install when the framework is missing.
+    """
+    if name not in PLATFORM_NAMES:
+        raise ValueError(f"unknown platform {name!r}; valid platforms: {', '.join(PLATFORM_NAMES)}")
+    try:
+        if name == "torch":
+            from hyper_parallel.platform.torch import TorchPlatform
+
+            return TorchPlatform
         from hyper_parallel.platform.mindspore import MindSporePlatform
 
         return MindSporePlatform
-    raise ValueError(f"unknown platform {name!r}; valid platforms: {', '.join(PLATFORM_NAMES)}")
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != name:
+            raise
+        framework = {"torch": "PyTorch", "mindspore": "MindSpore"}[name]
+        raise ImportError(
+            f"the {name} platform needs {framework}, which could not be imported ({exc}); install it with "
+            f"{_INSTALL_HINTS[name]}"
+        ) from exc
 
 
 def _create(name: str) -> Platform:

@@ -14,8 +14,9 @@ Ranks are always *global* ranks, also when a group is given.
 from __future__ import annotations
 
 import os
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,10 +36,28 @@ def default_comm_timeout() -> float:
     return seconds
 
 
+def combine_norm_pows(values: Sequence[float], norm_type: float) -> float:
+    """Combine per-tensor results of :meth:`Platform.norm_pow_sum`: a sum, or for ``inf`` the largest
+    (``nan`` wins, which Python's ``max`` would drop)."""
+    if norm_type != float("inf"):
+        return float(sum(values))
+    out = 0.0
+    for v in values:
+        if v != v:  # nan
+            return v
+        out = max(out, v)
+    return out
+
+
 def check_reduce_op(op: str) -> str:
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduce op {op!r}; valid ops: {', '.join(REDUCE_OPS)}")
     return op
+
+
+class WaitAborted(RuntimeError):
+    """A wait ended because the job is stopping (another rank failed, or no rank can progress):
+    the error that says why is the one to report, not the wait's."""
 
 
 class Handle(ABC):
@@ -59,6 +78,20 @@ class CompletedHandle(Handle):
 
     def is_completed(self) -> bool:
         return True
+
+
+class HandleGroup(Handle):
+    """Several handles waited together (e.g. the size and the body of a metadata message)."""
+
+    def __init__(self, handles: Sequence[Handle]) -> None:
+        self._handles = list(handles)
+
+    def wait(self, timeout: float | None = None) -> None:
+        for handle in self._handles:
+            handle.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return all(handle.is_completed() for handle in self._handles)
 
 
 @dataclass(frozen=True)
@@ -123,9 +156,27 @@ class Communicator(ABC):
     @abstractmethod
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]: ...
 
+    # The metadata channel: small lists of ints (tensor shapes between pipeline stages) on a
+    # FIFO channel of their own per pair of ranks. A send never waits for its receive (eager),
+    # so metadata cannot block the data stream; ``recv_meta`` blocks until the values arrived.
+    def open_meta_channel(self, ranks: Sequence[int]) -> None:
+        """Prepare the metadata channel between ``ranks`` (every rank of ``ranks`` calls it)."""
+        return None
+
+    @abstractmethod
+    def isend_meta(self, values: Sequence[int], dst: int, tag: int = 0) -> Handle: ...
+
+    @abstractmethod
+    def recv_meta(self, src: int, timeout: float | None = None, tag: int = 0) -> list[int]: ...
+
     # Collectives return their result; all_reduce and broadcast also update ``tensor`` in place.
     @abstractmethod
     def all_reduce(self, tensor: Any, op: str = "sum", group: Group | None = None) -> Any: ...
+
+    def all_reduce_async(self, tensor: Any, op: str = "sum", group: Group | None = None) -> Handle:
+        """Start an in-place all-reduce; the handle's ``wait()`` finishes it. Default: done at once."""
+        self.all_reduce(tensor, op, group)
+        return CompletedHandle()
 
     @abstractmethod
     def all_gather(self, tensor: Any, group: Group | None = None) -> list[Any]: ...
@@ -156,6 +207,32 @@ class Communicator(ABC):
 
     @abstractmethod
     def all_gather_object(self, obj: Any, group: Group | None = None) -> list[Any]: ...
+
+    # helper threads
+    def run_threads(self, targets: Sequence[Callable[[], None]]) -> None:
+        """Run every target on a thread of its own and return when all have ended.
+
+        The targets act for this rank: they may communicate as the calling thread would.
+        They must not raise (catch and record inside). Engines usable from any thread
+        (torch.distributed, MindSpore's) just start and join the threads.
+        """
+        threads = [
+            threading.Thread(target=target, name=f"hyper-parallel-helper-{k}", daemon=True)
+            for k, target in enumerate(targets)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    # capabilities: what this engine cannot do (``None`` = it can)
+    def group_unsupported_reason(self, ranks: Sequence[int]) -> str | None:
+        """Why :meth:`new_group` cannot create a group of ``ranks`` here, or ``None``."""
+        return None
+
+    def collective_unsupported_reason(self, op: str, group: Group | None = None) -> str | None:
+        """Why collective ``op`` (a method name, e.g. ``"reduce_scatter"``) cannot run on ``group``, or ``None``."""
+        return None
 
 
 class HostStream:
@@ -193,8 +270,10 @@ class HostEvent(HostStream):
 class ForwardRecord:
     """What one stage forward keeps for its backward.
 
-    ``outputs`` are the tensor outputs of ``fn`` flattened into a tuple (a single tensor
-    becomes a 1-tuple); ``result`` is what ``fn`` returned. ``grad_args`` marks which
+    ``outputs`` are the outputs of ``fn`` as a tuple: a tuple or list result gives its items,
+    anything else (a single tensor, ``None``...) becomes a 1-tuple. Non-tensors are kept, not
+    skipped, so the caller can report the stage that returned them; ``result`` is what ``fn``
+    returned. ``grad_args`` marks which
     positional arguments are differentiable inputs; the backward returns one gradient per
     positional argument (``None`` where not differentiable or not reached).
     ``native`` is backend-private state.
@@ -251,9 +330,23 @@ class Platform(ABC):
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
         return self.comm.batch_isend_irecv(ops)
 
+    def open_meta_channel(self, ranks: Sequence[int]) -> None:
+        self.comm.open_meta_channel(ranks)
+
+    def isend_meta(self, values: Sequence[int], dst: int, tag: int = 0) -> Handle:
+        return self.comm.isend_meta(values, dst, tag)
+
+    def recv_meta(self, src: int, timeout: float | None = None, tag: int = 0) -> list[int]:
+        return self.comm.recv_meta(src, timeout, tag)
+
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, tensor: Any, op: str = "sum", group: Group | None = None) -> Any:
         return self.comm.all_reduce(tensor, check_reduce_op(op), group)
+
+    def all_reduce_async(self, tensor: Any, op: str = "sum", group: Group | None = None) -> Handle:
+        """Start an in-place all-reduce of ``tensor``; ``wait()`` on the handle finishes it (where the
+        engine allows, it runs while the caller computes: torch.distributed; elsewhere it is done at once)."""
+        return self.comm.all_reduce_async(tensor, check_reduce_op(op), group)
 
     def all_gather(self, tensor: Any, group: Group | None = None) -> list[Any]:
         return self.comm.all_gather(tensor, group)
@@ -283,6 +376,97 @@ class Platform(ABC):
     def all_gather_object(self, obj: Any, group: Group | None = None) -> list[Any]:
         return self.comm.all_gather_object(obj, group)
 
+    def group_unsupported_reason(self, ranks: Sequence[int]) -> str | None:
+        return self.comm.group_unsupported_reason(ranks)
+
+    def collective_unsupported_reason(self, op: str, group: Group | None = None) -> str | None:
+        return self.comm.collective_unsupported_reason(op, group)
+
+    # ------------------------------------------------------------------ distributed tensors
+    # Placements cross this boundary as tuples: ("shard", dim), ("replicate",), ("partial", op).
+    def custom_function(self, forward: Callable[[Any], Any], backward: Callable[[Any], Any], tensor: Any) -> Any:
+        """``forward(tensor)``, differentiable with ``backward(grad_out) -> grad_in`` where the backend can.
+
+        The default records nothing: the gradient stops here.
+        """
+        return forward(tensor)
+
+    def sync_point(self, tensor: Any, on_forward: Callable[[], None], on_backward: Callable[[], None]) -> Any:
+        """Identity on ``tensor`` that calls ``on_forward()`` now and ``on_backward()`` when the
+        backward reaches it (before anything upstream of it runs; the gradient is unchanged).
+
+        The returned tensor must be used in place of ``tensor``. No backward callback happens
+        for a tensor no gradient flows through.
+        """
+        raise NotImplementedError(f"the {self.name} platform has no differentiable sync points")
+
+    def run_helper_threads(self, targets: Sequence[Callable[[], None]]) -> None:
+        """Run every target on a thread of its own that acts for this rank; return when all ended.
+
+        In each thread ``get_platform()`` returns this platform, the framework's per-thread
+        state of the caller that matters for autograd is copied (torch's grad mode), and
+        communication works as on the calling thread (see :meth:`Communicator.run_threads`).
+        Targets must not raise.
+        """
+        from hyper_parallel.platform import bind_thread_platform
+
+        state = self._thread_state()
+
+        def wrap(target: Callable[[], None]) -> Callable[[], None]:
+            def body() -> None:
+                bind_thread_platform(self)
+                try:
+                    self._enter_thread_state(state)
+                    target()
+                finally:
+                    bind_thread_platform(None)
+
+            return body
+
+        self.comm.run_threads([wrap(target) for target in targets])
+
+    def _thread_state(self) -> Any:
+        """Per-thread framework state of the calling thread that a helper thread should share."""
+        return None
+
+    def _enter_thread_state(self, state: Any) -> None:
+        """Install what :meth:`_thread_state` returned, in a helper thread."""
+        return None
+
+    def group_from_native(self, native: Any) -> Group:
+        """Wrap the framework's own group object (a torch ProcessGroup)."""
+        raise TypeError(f"the {self.name} platform cannot wrap a native group ({type(native).__name__})")
+
+    def native_process_group(self, group: Group) -> Any:
+        """The framework's process group behind ``group`` (torch only)."""
+        raise TypeError(f"the {self.name} platform has no torch.distributed process groups")
+
+    def native_device_mesh(self, device_type: str, nested: Any, groups: Sequence[Group], names: Sequence[str]) -> Any:
+        """The framework's device mesh over existing groups, one per dimension (torch only)."""
+        raise TypeError(f"the {self.name} platform has no native device mesh")
+
+    def mesh_from_native(self, native: Any) -> tuple[str, list[Any], tuple[str, ...], list[Group]]:
+        """``(device_type, nested ranks, dim names, this rank's group per dim)`` of a native mesh."""
+        raise TypeError(f"the {self.name} platform has no native device mesh")
+
+    def native_dtensor_available(self) -> bool:
+        """Whether :meth:`native_redistribute` may be used (a real torch.distributed job)."""
+        return False
+
+    def native_redistribute(self, local: Any, mesh: Any, src: Sequence[tuple[Any, ...]],
+                            dst: Sequence[tuple[Any, ...]], shape: Sequence[int]) -> Any:
+        """Redistribute with the framework's own distributed tensor (no autograd recorded)."""
+        raise TypeError(f"the {self.name} platform has no native distributed tensor")
+
+    def native_dtensor(self, local: Any, mesh: Any, placements: Sequence[tuple[Any, ...]],
+                       shape: Sequence[int]) -> Any:
+        """The framework's own distributed tensor around ``local`` (torch's DTensor)."""
+        raise TypeError(f"the {self.name} platform has no native distributed tensor")
+
+    def dtensor_from_native(self, native: Any) -> tuple[Any, Any, tuple[tuple[Any, ...], ...], tuple[int, ...]]:
+        """``(local tensor, native mesh, placements, global shape)`` of a native distributed tensor."""
+        raise TypeError(f"the {self.name} platform has no native distributed tensor")
+
     # ------------------------------------------------------------------ tensors
     @abstractmethod
     def is_tensor(self, obj: Any) -> bool: ...
@@ -292,13 +476,22 @@ class Platform(ABC):
         """A new tensor from Python/numpy data; ``dtype`` is a name such as ``"float32"``."""
 
     @abstractmethod
-    def zeros(self, shape: Sequence[int], dtype: str = "float32") -> Any: ...
+    def zeros(self, shape: Sequence[int], dtype: str = "float32", device: Any = None) -> Any: ...
 
     @abstractmethod
-    def ones(self, shape: Sequence[int], dtype: str = "float32") -> Any: ...
+    def ones(self, shape: Sequence[int], dtype: str = "float32", device: Any = None) -> Any: ...
 
     @abstractmethod
-    def empty(self, shape: Sequence[int], dtype: str = "float32") -> Any: ...
+    def empty(self, shape: Sequence[int], dtype: str = "float32", device: Any = None) -> Any: ...
+
+    def check_device(self, device: Any) -> Any:
+        """The platform's form of a user-given device (``None``: the platform's own); raises a
+        ``ValueError`` naming a device this platform cannot place tensors on."""
+        return device
+
+    def to_stage_device(self, tensor: Any, device: Any) -> Any:
+        """``tensor`` on ``device`` (unchanged where it is there already, or ``device`` is ``None``)."""
+        return tensor
 
     def zeros_like(self, tensor: Any) -> Any:
         return self.zeros(self.shape(tensor), self.dtype_name(tensor))
@@ -388,6 +581,14 @@ class Platform(ABC):
         """
 
     @abstractmethod
+    def stage_forward_no_grad(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        """Run ``fn(*args, **kwargs)`` recording no graph; returns what ``fn`` returned."""
+
+    def grad_enabled(self) -> bool:
+        """Whether the caller records gradients (``False`` inside ``torch.no_grad()``)."""
+        return True
+
+    @abstractmethod
     def stage_backward(self, record: ForwardRecord, grads: Sequence[Any]) -> tuple[Any, ...]:
         """Full backward: accumulate parameter gradients and return input gradients.
 
@@ -408,6 +609,12 @@ class Platform(ABC):
     @abstractmethod
     def named_parameters(self, module: Any) -> list[tuple[str, Any]]:
         """Trainable parameters of a module (torch ``nn.Module`` / MindSpore ``Cell``)."""
+
+    def unique_parameter_names(self, stage_params: Sequence[tuple[int, Sequence[Any]]]) -> None:
+        """Make the framework-level names of the parameters of one rank's stages unique where the
+        framework needs it (MindSpore optimizers refuse two parameters of one name); a name that
+        clashes gets its stage as a prefix: ``stage3.0.weight``."""
+        return None
 
     @abstractmethod
     def get_grad(self, param: Any) -> Any | None: ...
@@ -458,6 +665,74 @@ class Platform(ABC):
     @abstractmethod
     def to_device(self, tensor: Any, non_blocking: bool = False) -> Any:
         """Copy a host tensor back to this platform's device."""
+
+    # ------------------------------------------------------------------ saved activations
+    def saved_tensors(self) -> Any:
+        """This platform's :class:`~hyper_parallel.platform.activations.SavedTensorSupport`: swap and
+        recompute wrappers, schedule-driven swap and saved-activation accounting."""
+        raise NotImplementedError(f"the {self.name} platform has no saved-tensor support")
+
+    # ------------------------------------------------------------------ data parallelism, sharding, checkpoints
+    def reshape(self, tensor: Any, shape: Sequence[int]) -> Any:
+        """``tensor`` with ``shape`` (a view where the framework can)."""
+        raise NotImplementedError(f"the {self.name} platform has no reshape")
+
+    def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
+        """Pieces of ``tensor`` along ``dim`` with the given sizes (which add up to its size there)."""
+        raise NotImplementedError(f"the {self.name} platform has no split")
+
+    def set_param_storage(self, param: Any, value: Any) -> None:
+        """Make ``value`` (of any shape) the data of ``param``, dropping the old data; the parameter object
+        stays the same, so modules and optimizers keep referring to it (how parameters are sharded)."""
+        raise NotImplementedError(f"the {self.name} platform cannot replace a parameter's data")
+
+    def register_forward_pre_hook(self, module: Any, hook: Callable[[], None]) -> Any:
+        """Call ``hook()`` before every forward of ``module``; returns a handle with ``remove()``."""
+        raise NotImplementedError(f"the {self.name} platform has no forward pre-hooks")
+
+    def local_tensor(self, tensor: Any) -> Any:
+        """This rank's piece of a framework-native distributed tensor (torch's DTensor), else ``tensor``."""
+        return tensor
+
+    def native_shard_count(self, tensor: Any) -> int:
+        """How many distinct pieces a framework-native distributed tensor is cut into (1 for a plain tensor)."""
+        return 1
+
+    def norm_pow_sum(self, tensors: Sequence[Any], norm_type: float) -> float:
+        """Over every element of ``tensors`` (local pieces): the sum of ``|x| ** norm_type``, or the largest
+        ``|x|`` for ``norm_type=inf``, in float64 (``inf``/``nan`` propagate)."""
+        import numpy as np
+
+        arrays = [np.abs(np.asarray(self.to_numpy(self.local_tensor(t)), dtype=np.float64)) for t in tensors]
+        return combine_norm_pows([float(a.max()) if norm_type == float("inf") else float(np.sum(a ** norm_type))
+                                  for a in arrays if a.size], norm_type)
+
+    def native_fsdp(self) -> Any | None:
+        """The framework's own FSDP where this job can use it (torch's FSDP2 in a torch.distributed job),
+        else ``None``; its methods are listed in ``hyper_parallel/core/fully_shard/native.py``."""
+        return None
+
+    def save_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any], extra: Any) -> None:
+        """Write ``params`` (key -> parameter), the state of ``optimizers`` and ``extra`` under ``path``
+        (a collective over the world; see ``hyper_parallel/core/checkpoint.py``)."""
+        raise NotImplementedError(f"the {self.name} platform cannot save checkpoints")
+
+    def load_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any]) -> Any:
+        """Read what :meth:`save_checkpoint` wrote into the given parameters and optimizers; returns ``extra``."""
+        raise NotImplementedError(f"the {self.name} platform cannot load checkpoints")
+
+    # ------------------------------------------------------------------ random state
+    def get_rng_state(self) -> Any:
+        """A snapshot of the framework's process-wide default random state.
+
+        LocalCluster swaps these snapshots when the compute turn passes from one rank to
+        another, so each rank draws as a separate process would. ``None``: nothing to save.
+        """
+        return None
+
+    def set_rng_state(self, state: Any) -> None:
+        """Install a snapshot taken by :meth:`get_rng_state` (of the same framework)."""
+        return None
 
     def __repr__(self) -> str:
         comm = type(self._comm).__name__ if self._comm is not None else "uninitialised"

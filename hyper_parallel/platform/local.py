@@ -11,6 +11,16 @@ hands it over only while it waits for a message or a collective. MindSpore forbi
 threads running autograd at once; this makes that impossible by construction, and makes a
 run deterministic.
 
+Randomness is per rank, as in separate processes: each rank has its own copy of the framework's
+default random state (``Platform.get_rng_state``) and of numpy's global ``np.random`` state,
+starting from the caller's state at ``run`` (like a fork), and swapped in whenever the compute
+turn passes to another rank. The caller's own state is the same after ``run`` as before it.
+Python's ``random`` module and user-created generator objects are shared, as any object is.
+
+A rank may run helper threads that communicate as the rank (``Communicator.run_threads``,
+used by ``CommComputeOverlap``): their communication calls run on the rank's own thread, which
+keeps the cluster's turn while they compute (``local_helpers.py``).
+
 A rank that raises stops the others (their next wait raises) and ``run`` re-raises in the
 caller naming the rank. A wait that can never be satisfied fails at once with the state of
 every rank (deadlock detection); any wait also fails after ``timeout`` seconds.
@@ -18,6 +28,7 @@ every rank (deadlock detection); any wait also fails after ``timeout`` seconds.
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 import threading
 import time
@@ -29,6 +40,7 @@ import numpy as np
 
 from hyper_parallel.platform import bind_thread_platform, local_cluster_running, platform_class
 from hyper_parallel.platform.base import (
+    WaitAborted,
     CompletedHandle,
     Communicator,
     Group,
@@ -38,6 +50,7 @@ from hyper_parallel.platform.base import (
     check_reduce_op,
     default_comm_timeout,
 )
+from hyper_parallel.platform.local_helpers import RankHelpers, on_rank_thread
 
 _NUMPY_REDUCE = {
     "sum": lambda arrays: np.sum(arrays, axis=0),
@@ -48,11 +61,11 @@ _NUMPY_REDUCE = {
 }
 
 
-class ClusterAborted(RuntimeError):
+class ClusterAborted(WaitAborted):
     """Raised in a rank's wait when another rank failed."""
 
 
-class DeadlockError(RuntimeError):
+class DeadlockError(WaitAborted):
     """Every live rank waits for something no rank can provide any more."""
 
 
@@ -90,11 +103,90 @@ class _Meeting:
     results: dict[int, Any] | None = None
 
 
+_MT19937_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937 state struct: the key words, then the position
+
+
+@dataclass(frozen=True)
+class _NumpyState:
+    """numpy's global (legacy) random state, and a cheap fingerprint of it."""
+
+    full: tuple[Any, ...]  # np.random.get_state(): (name, key, pos, has_gauss, cached_gaussian)
+    fingerprint: bytes | None  # the generator's raw key + position (None: not readable)
+
+    @property
+    def gauss(self) -> tuple[int, float]:
+        return int(self.full[3]), float(self.full[4])
+
+
+def _numpy_fingerprint() -> bytes | None:
+    generator = getattr(np.random.mtrand._rand, "_bit_generator", None)
+    if type(generator).__name__ != "MT19937":
+        return None
+    return ctypes.string_at(generator.ctypes.state_address, _MT19937_STATE_BYTES)
+
+
+def _numpy_state() -> _NumpyState:
+    return _NumpyState(np.random.get_state(), _numpy_fingerprint())
+
+
+class _RankRandomness:
+    """Per-rank copies of the process-wide random states, swapped when the turn changes hands.
+
+    The framework's state comes from the platform (``get_rng_state``: about a microsecond for
+    torch). numpy's ``get_state``/``set_state`` cost tens of microseconds each, so numpy's state
+    is only copied when it changed: a rank whose generator words and position are as they were
+    when its turn began, with no cached gaussian it could have consumed, still has the state it
+    started the turn with; and a rank's state is only installed when it differs from the one in
+    place. Call every method with the cluster lock held.
+    """
+
+    def __init__(self, platform: Platform, world_size: int) -> None:
+        self._platform = platform
+        self._caller = (platform.get_rng_state(), _numpy_state())
+        self._ranks = [self._caller] * world_size
+        self._owner: int | None = None  # whose state is installed (None: the caller's)
+        self._numpy_installed = self._caller[1]  # the numpy state in place, as last known exactly
+
+    def switch_to(self, rank: int) -> None:
+        """Install ``rank``'s states, saving those of the rank that ran before (cheap if it is ``rank``)."""
+        if self._owner == rank:
+            return
+        if self._owner is not None:
+            self._ranks[self._owner] = (self._platform.get_rng_state(), self._current_numpy())
+        framework, numpy_state = self._ranks[rank]
+        self._platform.set_rng_state(framework)
+        self._install_numpy(numpy_state)
+        self._owner = rank
+
+    def restore_caller(self) -> None:
+        """Put the caller's states back (after every rank finished)."""
+        if self._owner is not None:
+            self._current_numpy()  # learn what the last rank left in place
+        self._platform.set_rng_state(self._caller[0])
+        self._install_numpy(self._caller[1])
+        self._owner = None
+
+    def _current_numpy(self) -> _NumpyState:
+        known = self._numpy_installed
+        if known.fingerprint is not None and known.gauss[0] == 0 and _numpy_fingerprint() == known.fingerprint:
+            return known  # nothing drawn since it was installed (drawing moves the position)
+        self._numpy_installed = _numpy_state()
+        return self._numpy_installed
+
+    def _install_numpy(self, state: _NumpyState) -> None:
+        known = self._numpy_installed
+        if not (state.fingerprint is not None and state.fingerprint == known.fingerprint
+                and state.gauss == known.gauss):
+            np.random.set_state(state.full)
+        self._numpy_installed = state
+
+
 class _ClusterState:
     def __init__(self, world_size: int, timeout: float, detect_deadlock: bool) -> None:
         self.world_size = world_size
         self.timeout = timeout
         self.detect_deadlock = detect_deadlock
+        self.randomness: _RankRandomness | None = None  # per-rank random states (set by LocalCluster.run)
         self.cond = threading.Condition()
         self.mailboxes: dict[tuple[int, int, str], _Mailbox] = {}
         self.meetings: dict[tuple[tuple[int, ...], int], _Meeting] = {}
@@ -110,6 +202,16 @@ class _ClusterState:
             box = self.mailboxes[key] = _Mailbox()
         return box
 
+    def take_turn(self, rank: int) -> None:
+        """``rank`` (holding ``cond``) computes from now on: give it its own random state."""
+        if self.randomness is not None:
+            self.randomness.switch_to(rank)
+
+    def pause(self, rank: int, seconds: float) -> None:
+        """Let the other ranks run for up to ``seconds``; the caller holds ``cond``."""
+        self.cond.wait(seconds)
+        self.take_turn(rank)
+
     def wait_until(self, rank: int, ready: Callable[[], bool], what: str, timeout: float | None) -> None:
         """Block (releasing the lock) until ``ready()``; the caller holds ``cond``."""
         limit = self.timeout if timeout is None else timeout
@@ -124,9 +226,10 @@ class _ClusterState:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"rank {rank} timed out after {limit:g}s {what}")
-                self.cond.wait(remaining)
+                self.cond.wait(remaining)  # the turn is only taken when this rank goes on (below)
         finally:
             del self.waiting[rank]
+            self.take_turn(rank)
 
     def _nobody_can_progress(self) -> bool:
         if not self.live <= self.waiting.keys():
@@ -155,6 +258,9 @@ class _RecvHandle(Handle):
 
     def is_completed(self) -> bool:
         """True once the message arrived (its data is then in the buffer, as with the engines)."""
+        return bool(self._comm.helpers.as_rank(self._is_completed))
+
+    def _is_completed(self) -> bool:
         if self._done:
             return True
         state = self._comm.state
@@ -162,13 +268,16 @@ class _RecvHandle(Handle):
             box = state.mailbox(self._src, self._comm.rank, self._kind)
             if self._ticket not in box.messages:
                 # Let the other ranks run for a moment, so a caller polling in a loop makes progress.
-                state.cond.wait(0.001)
+                state.pause(self._comm.rank, 0.001)
             if self._ticket not in box.messages:
                 return False
         self.wait()
         return True
 
     def wait(self, timeout: float | None = None) -> None:
+        self._comm.helpers.as_rank(lambda: self._wait(timeout))
+
+    def _wait(self, timeout: float | None) -> None:
         if self._done:
             return
         self._comm._check_thread()
@@ -195,6 +304,7 @@ class LocalCommunicator(Communicator):
         self._world = Group(tuple(range(state.world_size)))
         self.platform: Platform | None = None  # set by LocalCluster right after creation
         self.thread: threading.Thread | None = None  # the rank's own thread, set when it starts
+        self.helpers = RankHelpers(rank)  # helper threads whose communication runs here
 
     def _check_thread(self) -> None:
         # A rank's helper thread would wait for the lock its own rank holds: refuse instead of hanging.
@@ -203,6 +313,12 @@ class LocalCommunicator(Communicator):
                 f"rank {self._rank}: LocalCluster communication must run on the rank's own thread, "
                 f"not on {threading.current_thread().name!r}"
             )
+
+    def run_threads(self, targets: Sequence[Callable[[], None]]) -> None:
+        """Run the targets on helper threads of this rank; their communication runs on this thread
+        (see ``local_helpers.py``)."""
+        self._check_thread()
+        self.helpers.run(targets)
 
     @property
     def rank(self) -> int:
@@ -266,13 +382,17 @@ class LocalCommunicator(Communicator):
             )
         p.copy_(buffer, data)
 
+    @on_rank_thread
     def isend(self, tensor: Any, dst: int, group: Group | None = None, tag: int = 0) -> Handle:
-        self._post_send(self._p.clone(tensor), dst, tag, "tensor")
+        self._post_send(self._p.clone(tensor), dst, tag, f"tensor:{tag}")  # matched per tag, as gloo does
         return CompletedHandle()
 
+    @on_rank_thread
     def irecv(self, tensor: Any, src: int, group: Group | None = None, tag: int = 0) -> Handle:
-        return _RecvHandle(self, tensor, src, tag, self._post_recv(src, "tensor"), "tensor")
+        kind = f"tensor:{tag}"
+        return _RecvHandle(self, tensor, src, tag, self._post_recv(src, kind), kind)
 
+    @on_rank_thread
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
         return [
             self.isend(op.tensor, op.peer, op.group, op.tag)
@@ -336,6 +456,7 @@ class LocalCommunicator(Communicator):
         arrays = [p.to_numpy(t) for t in tensors]
         return p.from_numpy(np.asarray(_NUMPY_REDUCE[op](arrays), dtype=arrays[0].dtype), p.dtype_name(like))
 
+    @on_rank_thread
     def all_reduce(self, tensor: Any, op: str = "sum", group: Group | None = None) -> Any:
         check_reduce_op(op)
 
@@ -347,6 +468,7 @@ class LocalCommunicator(Communicator):
         result = self._meet("all_reduce", group, self._p.clone(tensor), combine)
         return self._p.copy_(tensor, result)
 
+    @on_rank_thread
     def all_gather(self, tensor: Any, group: Group | None = None) -> list[Any]:
         def combine(brought: dict[int, Any]) -> dict[int, Any]:
             ordered = self._ordered(brought, group)
@@ -354,6 +476,7 @@ class LocalCommunicator(Communicator):
 
         return [self._p.clone(t) for t in self._meet("all_gather", group, self._p.clone(tensor), combine)]
 
+    @on_rank_thread
     def reduce_scatter(self, tensors: Sequence[Any], op: str = "sum", group: Group | None = None) -> Any:
         check_reduce_op(op)
         g = group or self._world
@@ -366,6 +489,7 @@ class LocalCommunicator(Communicator):
 
         return self._meet("reduce_scatter", group, [self._p.clone(t) for t in tensors], combine)
 
+    @on_rank_thread
     def broadcast(self, tensor: Any, src: int, group: Group | None = None) -> Any:
         def combine(brought: dict[int, Any]) -> dict[int, Any]:
             self._same_layout("broadcast", brought)
@@ -376,6 +500,7 @@ class LocalCommunicator(Communicator):
         result = self._meet(f"broadcast(src={src})", group, self._p.clone(tensor), combine)
         return self._p.copy_(tensor, result)
 
+    @on_rank_thread
     def all_to_all(self, tensors: Sequence[Any], group: Group | None = None) -> list[Any]:
         g = group or self._world
         if len(tensors) != g.size:
@@ -387,21 +512,36 @@ class LocalCommunicator(Communicator):
 
         return self._meet("all_to_all", group, [self._p.clone(t) for t in tensors], combine)
 
+    @on_rank_thread
     def barrier(self, group: Group | None = None) -> None:
         self._meet("barrier", group, None, lambda brought: dict.fromkeys(brought))
 
+    # metadata channel -------------------------------------------------------------
+    def isend_meta(self, values: Sequence[int], dst: int, tag: int = 0) -> Handle:
+        self._post_send([int(v) for v in values], dst, tag, f"meta:{tag}")
+        return CompletedHandle()
+
+    def recv_meta(self, src: int, timeout: float | None = None, tag: int = 0) -> list[int]:
+        return list(self._take(src, f"meta:{tag}", f"receiving metadata from rank {src}", timeout))
+
+    def _take(self, src: int, kind: str, what: str, timeout: float | None) -> Any:
+        ticket = self._post_recv(src, kind)
+        state = self.state
+        with state.cond:
+            box = state.mailbox(src, self._rank, kind)
+            state.wait_until(self._rank, lambda: ticket in box.messages, what, timeout)
+            return box.messages.pop(ticket).payload
+
     # objects ------------------------------------------------------------------------
+    @on_rank_thread
     def send_object(self, obj: Any, dst: int, group: Group | None = None) -> None:
         self._post_send(pickle.dumps(obj), dst, 0, "object")
 
+    @on_rank_thread
     def recv_object(self, src: int, group: Group | None = None) -> Any:
-        ticket = self._post_recv(src, "object")
-        state = self.state
-        with state.cond:
-            box = state.mailbox(src, self._rank, "object")
-            state.wait_until(self._rank, lambda: ticket in box.messages, f"receiving an object from rank {src}", None)
-            return pickle.loads(box.messages.pop(ticket).payload)
+        return pickle.loads(self._take(src, "object", f"receiving an object from rank {src}", None))
 
+    @on_rank_thread
     def broadcast_object(self, obj: Any, src: int, group: Group | None = None) -> Any:
         if src not in (group or self._world).ranks:
             raise ValueError(f"broadcast source rank {src} is not in group {list((group or self._world).ranks)}")
@@ -409,6 +549,7 @@ class LocalCommunicator(Communicator):
         result = self._meet(f"broadcast_object(src={src})", group, data, lambda b: {r: b[src] for r in b})
         return pickle.loads(result)
 
+    @on_rank_thread
     def all_gather_object(self, obj: Any, group: Group | None = None) -> list[Any]:
         def combine(brought: dict[int, Any]) -> dict[int, Any]:
             ordered = self._ordered(brought, group)
@@ -448,12 +589,14 @@ class LocalCluster:
             comm.platform = platform
             platforms.append(platform)
         state.live = set(range(self.world_size))
+        state.randomness = _RankRandomness(platforms[0], self.world_size)  # each rank forks the caller's
 
         def body(rank: int) -> None:
             platforms[rank].comm.thread = threading.current_thread()  # type: ignore[attr-defined]
             bind_thread_platform(platforms[rank])
             with state.cond:
                 try:
+                    state.take_turn(rank)
                     results[rank] = fn(*args, **kwargs)
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
                     if state.failure is None:  # the first failure is the cause; later ones are aborts
@@ -475,6 +618,8 @@ class LocalCluster:
                 t.join()
         finally:
             local_cluster_running(-1)
+        with state.cond:  # every rank finished: the caller's random state comes back
+            state.randomness.restore_caller()
         if state.failure is not None:
             rank, error = state.failure
             raise RankFailedError(rank, error) from error

@@ -1,4 +1,4 @@
-"""The MindSpore backend (PyNative; CPU here, Ascend/GPU in production).
+"""The MindSpore backend (PyNative or GRAPH_MODE; CPU here, Ascend/GPU in production).
 
 Importing it selects the CPU device when nothing was chosen and this MindSpore build defaults
 to the CPU (before any kernel runs, so a later ``ms.set_device("CPU")`` still succeeds).

@@ -10,9 +10,12 @@ Two interchangeable paths implement ``stage_forward`` / ``stage_backward`` /
     (``ops.stop_gradient``, which shares storage, then ``requires_grad_``) so a backward never
     reaches an earlier stage's graph. Works in any micro-batch order, and from several threads
     that take turns (even when the turn passes in the middle of a forward); two threads running
-    autograd at the same moment are unsafe. The dx/dW split keeps the graph after the dx pass and
-    walks it again for dW. A Cell with an ``@ms.jit`` construct compiles its backward for the first
-    pass only, so for such a stage the dx step also takes dW (kept for the weight step).
+    autograd at the same moment are unsafe. The dx/dW split (``_SplitPlan``) captures the gradient
+    at each boundary node (input-side node with edges into the weight side) during dx, then cuts
+    those nodes' input-side edges and runs the engine once from the captured gradients for dW, so
+    the input side is walked once; if its self-test fails, dW walks the whole graph again. A Cell
+    with an ``@ms.jit`` construct compiles its backward for the first pass only, so for such a
+    stage the dx step also takes dW (kept for the weight step).
 
 ``recompute`` (public fallback)
     The forward runs without a graph and keeps ``fn``/args/kwargs; the backward re-runs the
@@ -23,16 +26,22 @@ Two interchangeable paths implement ``stage_forward`` / ``stage_backward`` /
     ``fn`` happens twice.
 
 Measured on this project's CPU machine (MindSpore 2.10, ``ms.runtime.launch_blocking()``, ms per
-micro-batch, forward / backward; the default asynchronous dispatch was 4-10x slower and noisy on
-2 shared cores):
+micro-batch through ``MindSporePlatform``, wall time, median of 40, the variants alternating in one
+process; a ``SequentialCell`` of Dense layers; the default asynchronous dispatch was 4-10x slower
+and noisy on 2 shared cores). "walk twice" is the split this module falls back to:
 
-=====================  ===========  ==========  ===========  ================
-model, micro-batch     engine fwd   engine bwd  engine dx+dW recompute bwd
-=====================  ===========  ==========  ===========  ================
-2 Dense(8), batch 2    0.33         0.43        0.49         1.17 (fwd 0.30)
-4 Dense(256), 32       0.88         1.11        1.31         2.74 (fwd 0.84)
-4 Dense(1024), 64      5.7          11.0        14.4         17.1 (fwd 5.5)
-=====================  ===========  ==========  ===========  ================
+=====================  ==========  ==========  ============  ===========  ===================
+model, micro-batch     engine fwd  engine bwd  engine dx+dW  walk twice   recompute bwd (fwd)
+=====================  ==========  ==========  ============  ===========  ===================
+2 Dense(8), batch 2    1.47        0.51        1.03          0.92         4.36 (1.36)
+4 Dense(256), 32       3.17        1.50        2.59          2.55         4.19 (2.77)
+4 Dense(1024), 64      8.59        14.69       17.60         22.14        23.88 (8.51)
+=====================  ==========  ==========  ============  ===========  ===================
+
+For a stage of a few layers both splits cost the same (fixed costs dominate: every boundary node
+runs in both steps, and each executed backward node costs tens of microseconds before any
+arithmetic); the engine split wins as stages grow (GPT stage of ``benchmarks/autograd_split_cost.py``:
+see its results table and ``docs/zero_bubble.md``).
 
 Parameter gradients accumulate, for both paths, in the engine's per-parameter slot
 ``param._grad`` (``None`` when there is none), which ``MindSporePlatform.get_grad`` reads; a
@@ -43,12 +52,14 @@ gradient depends on. Inputs share storage with the caller's tensors: do not over
 buffer before its backward ran.
 
 ``HYPER_PARALLEL_MS_AUTOGRAD=engine|recompute|auto`` chooses the path (``auto``: engine if its
-start-up self-test passes, else recompute; ``engine`` raises if it is unavailable).
+start-up self-test passes, else recompute; ``engine`` raises if it is unavailable). Whether a
+stage's Cell runs compiled, and how GRAPH_MODE is handled, is ``compiled.py``'s job.
 """
 
 from __future__ import annotations
 
 import logging
+import functools
 import os
 import threading
 import weakref
@@ -71,15 +82,16 @@ def is_tensor(obj: Any) -> bool:
     return isinstance(obj, ms.Tensor)
 
 
-def flatten_tensors(obj: Any) -> tuple[Any, ...]:
-    """Tensors of a (nested) tuple/list/dict result, in order; other values are skipped."""
-    if is_tensor(obj):
-        return (obj,)
-    if isinstance(obj, (tuple, list)):
-        return tuple(t for item in obj for t in flatten_tensors(item))
-    if isinstance(obj, dict):
-        return tuple(t for item in obj.values() for t in flatten_tensors(item))
-    return ()
+def stage_outputs(result: Any) -> tuple[Any, ...]:
+    """The outputs of a stage's result, as the torch backend sees them.
+
+    A tuple or list gives its items, anything else is one output. Non-tensors are kept in
+    place (not skipped), so the caller can name the stage that returned one instead of the
+    next stage finding an argument missing.
+    """
+    if isinstance(result, (tuple, list)):
+        return tuple(result)
+    return (result,)
 
 
 _FLOAT_DTYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
@@ -113,6 +125,8 @@ def _check_grads(record: ForwardRecord, grads: Sequence[Any]) -> list[tuple[Any,
             continue
         if not is_tensor(grad):
             raise TypeError(f"gradient of output {i} must be a Tensor or None, got {type(grad).__name__}")
+        if not is_tensor(out):
+            raise TypeError(f"output {i} is a {type(out).__name__}, not a tensor: it cannot take a gradient")
         if tuple(grad.shape) != tuple(out.shape):
             raise ValueError(f"gradient of output {i} has shape {tuple(grad.shape)}, output has {tuple(out.shape)}")
         pairs.append((out, grad))
@@ -200,19 +214,35 @@ class EngineAutograd:
 
         self._executor = _pynative_executor
         self._run_backward = run_backward
+        self.cut_split = _CUT_SPLIT[0] if _CUT_SPLIT else True  # see ``_SplitPlan``; off if its self-test fails
 
     def self_test(self) -> None:
-        """Forward + split backward on a tiny graph; raises if the engine misbehaves."""
+        """Forward + split backward on a tiny graph; raises if the engine misbehaves. If only the
+        cheap dx/dW split misbehaves, falls back (for this process) to the split that walks twice."""
+        try:
+            self._check()
+        except Exception as exc:  # noqa: BLE001 - retried below without the cheap split
+            if not self.cut_split:
+                raise
+            self.cut_split = False
+            self._check()
+            _warn_once(f"the cheap dx/dW split failed its self-test ({type(exc).__name__}: {exc}); "
+                       "the weight backward walks the whole graph again")
+        _CUT_SPLIT[:] = [self.cut_split]
+
+    def _check(self) -> None:
         w = ms.Parameter(ms.Tensor([[2.0]], ms.float32), name="hyper_parallel_selftest_w")
         x = ms.Tensor([[3.0]], ms.float32)
         rec = self.forward(lambda a: ops.matmul(a, w) * a, (x,), {}, (w,), (True,))
         (dx,) = self.backward_input(rec, (ms.Tensor([[1.0]], ms.float32),))
+        split_dw = None if w._grad is None else float(w._grad.asnumpy()[0, 0])
         self.backward_weight(rec)
         rec = self.forward(lambda a: ops.matmul(a, w) + a, (x,), {}, (w,), (True,))
         (dx2,) = self.backward(rec, (ms.Tensor([[1.0]], ms.float32),))
         got = tuple(float(t.asnumpy()[0, 0]) for t in (dx, dx2, w._grad))
-        if got != (12.0, 3.0, 12.0):
-            raise RuntimeError(f"engine self-test gave dx, dx, dw = {got}, expected (12.0, 3.0, 12.0)")
+        if got != (12.0, 3.0, 12.0) or split_dw is not None:
+            raise RuntimeError(f"engine self-test gave dx, dx, dw = {got} (dW after dx: {split_dw}), "
+                               "expected (12.0, 3.0, 12.0) (None)")
 
     def forward(
         self,
@@ -239,7 +269,7 @@ class EngineAutograd:
             executor.set_enable_grad(old_enable)
         state = _State(args=tuple(call_args), positions=positions)
         state.extra["jit"] = uses_jit(fn)
-        return ForwardRecord(result, flatten_tensors(result), tuple(bool(f) for f in grad_args),
+        return ForwardRecord(result, stage_outputs(result), tuple(bool(f) for f in grad_args),
                              _trainable(params), state)
 
     @staticmethod
@@ -275,13 +305,24 @@ class EngineAutograd:
         outs, sens = self._roots(record, grads)
         state.advance("forward", "input_done", "an input backward")
         leaves = tuple(state.args[p] for p in state.positions)
+        params = tuple(record.params)
         if state.extra.get("jit"):
             # a jit Cell's backward is compiled for the gradients the first pass asks for, so a
             # later weight pass would find nothing: take dW now and keep it for the weight step
-            params = tuple(record.params)
             values = self._grads_of(outs, sens, leaves + params, keep_graph=False)
             state.extra["weight_grads"] = values[len(leaves):]
             values = values[: len(leaves)]
+        elif self.cut_split and outs and leaves:
+            plan = _plan_split(outs, leaves, params)
+            handles = [node.register_prehook(functools.partial(_store, plan.captured, i))
+                       for i, (node, _) in enumerate(plan.boundary)]
+            try:
+                values = self._grads_of(outs, sens, leaves, keep_graph=True)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            plan.weight_roots = tuple((o, g) for o, g in zip(outs, sens) if _node_id(o) in plan.weight_side_roots)
+            state.pending = plan
         else:
             values = self._grads_of(outs, sens, leaves, keep_graph=True)
             state.pending = (outs, sens)
@@ -292,20 +333,111 @@ class EngineAutograd:
     def backward_weight(self, record: ForwardRecord) -> None:
         state: _State = record.native
         state.advance("input_done", "done", "a weight backward")
-        outs, sens = state.pending or ((), ())
-        state.pending = None
+        pending, state.pending = state.pending, None
         params = tuple(record.params)
         if state.extra.get("weight_grads") is not None:  # jit stage: computed by the input step
             values = state.extra.pop("weight_grads")
+        elif isinstance(pending, _SplitPlan):
+            values = self._weight_grads(pending, params)
         else:
+            outs, sens = pending or ((), ())
             values = self._grads_of(outs, sens, params, keep_graph=False)
-            if outs and params and all(v is None for v in values):
-                _warn_once("the weight backward of a stage reached none of its parameters; if the stage "
-                           "calls @ms.jit functions outside a Cell's construct, its dx/dW split loses dW: "
-                           f"use the full backward or {AUTOGRAD_ENV}=recompute")
+        if params and all(v is None for v in values) and pending:
+            _warn_once("the weight backward of a stage reached none of its parameters; if the stage "
+                       "calls @ms.jit functions outside a Cell's construct, its dx/dW split loses dW: "
+                       f"use the full backward or {AUTOGRAD_ENV}=recompute")
         for param, grad in zip(params, values):
             if grad is not None:
                 _accumulate(param, grad)
+
+    def _weight_grads(self, plan: _SplitPlan, params: tuple[Any, ...]) -> Sequence[Any]:
+        """Weight gradients from the gradients captured at the boundary nodes (see ``_SplitPlan``)."""
+        from mindspore.graph.api import _GradientEdge
+
+        roots: list[Any] = []
+        sens: list[Any] = []
+        for (node, weight), captured in zip(plan.boundary, plan.captured):
+            if captured is None:
+                continue
+            for k in range(len(node.next_functions)):
+                if k not in weight:
+                    node._set_next_edge(k, None)  # the input side is done: cut it off
+            for slot, grad in enumerate(captured):
+                if grad is not None:
+                    roots.append(_GradientEdge(node, slot, None))
+                    sens.append(grad)
+        for out, grad in plan.weight_roots:
+            roots.append(out)
+            sens.append(grad)
+        plan.captured = []
+        return self._grads_of(tuple(roots), tuple(sens), params, keep_graph=False)
+
+
+def _store(captured: list[Any], index: int, grads: Any) -> None:
+    captured[index] = tuple(grads)
+
+
+def _node_id(tensor: Any) -> int | None:
+    node = tensor._grad_node
+    return None if node is None else node._unique_id()
+
+
+@dataclass
+class _SplitPlan:
+    """What the engine's input backward keeps for the weight backward.
+
+    The graph below a stage's outputs splits into an input side (nodes from which a differentiable
+    input can be reached) and a weight side (the other nodes from which a parameter can be
+    reached). Boundary nodes are input-side nodes with edges into the weight side (the MatMul of
+    a Dense layer). The input backward captures the gradient arriving at each boundary node with
+    a prehook; the weight backward cuts each boundary node's input-side edges and runs the engine
+    once from the captured gradients, so it computes weight gradients only and never walks the
+    input side again.
+    """
+
+    boundary: list[tuple[Any, tuple[int, ...]]]  # (node, indices of its weight-side edges)
+    weight_side_roots: set[int]  # ids of output nodes on the weight side (outputs of parameters only)
+    captured: list[Any] = field(default_factory=list)
+    weight_roots: tuple[tuple[Any, Any], ...] = ()
+
+
+def _plan_split(outs: Sequence[Any], leaves: Sequence[Any], params: Sequence[Any]) -> _SplitPlan:
+    """Walk the graph below ``outs`` once (post-order; node wrappers are keyed by ``_unique_id``)."""
+    input_ids = {_node_id(t) for t in leaves}
+    param_ids = {_node_id(p) for p in params if getattr(p, "_grad_node", None) is not None}
+    side: dict[int, int] = {}  # node id -> 0 neither, 1 input side, 2 weight side
+    boundary: list[tuple[Any, tuple[int, ...]]] = []
+    for out in outs:
+        root = out._grad_node
+        if root is None or root._unique_id() in side:
+            continue
+        stack = [(root, root.next_functions, 0)]
+        side[root._unique_id()] = -1  # on the stack
+        while stack:
+            node, nexts, k = stack[-1]
+            while k < len(nexts) and (nexts[k][0] is None or nexts[k][0]._unique_id() in side):
+                k += 1
+            if k < len(nexts):
+                stack[-1] = (node, nexts, k + 1)
+                child = nexts[k][0]
+                side[child._unique_id()] = -1
+                stack.append((child, child.next_functions, 0))
+                continue
+            stack.pop()
+            uid = node._unique_id()
+            if node.is_leaf():
+                side[uid] = 1 if uid in input_ids else 2 if uid in param_ids else 0
+                continue
+            kinds = [0 if c is None else side[c._unique_id()] for c, _ in nexts]
+            if 1 in kinds:
+                side[uid] = 1
+                weight = tuple(i for i, kind in enumerate(kinds) if kind == 2)
+                if weight:
+                    boundary.append((node, weight))
+            else:
+                side[uid] = 2 if 2 in kinds else 0
+    weight_roots = {i for i in (_node_id(o) for o in outs) if i is not None and side.get(i) == 2}
+    return _SplitPlan(boundary, weight_roots, [None] * len(boundary))
 
 
 # ---------------------------------------------------------------------------- recompute path
@@ -344,7 +476,7 @@ class RecomputeAutograd:
                 executor.set_grad_flag(old_flag)
         state = _State(args=tuple(call_args), positions=positions)
         state.extra.update(fn=fn, kwargs=dict(kwargs))
-        return ForwardRecord(result, flatten_tensors(result), tuple(bool(f) for f in grad_args),
+        return ForwardRecord(result, stage_outputs(result), tuple(bool(f) for f in grad_args),
                              _trainable(params), state)
 
     def _gradients(self, record: ForwardRecord, grads: Sequence[Any]) -> tuple[list[Any], tuple[Any, ...]]:
@@ -361,7 +493,7 @@ class RecomputeAutograd:
             call_args = list(args)
             for pos, value in zip(state.positions, diff):
                 call_args[pos] = value
-            outs = flatten_tensors(fn(*call_args, **kwargs))
+            outs = stage_outputs(fn(*call_args, **kwargs))
             total = None
             for i, g in pairs:
                 term = (outs[i] * g).sum()
@@ -441,6 +573,7 @@ def create_autograd(mode: str | None = None) -> StageAutograd:
 
 
 _ENGINE_CHECK: list[str | None] = []  # the start-up self-test runs once per process
+_CUT_SPLIT: list[bool] = []  # whether the cheap dx/dW split passed it
 _ENGINE_CHECK_LOCK = threading.Lock()
 
 

@@ -31,6 +31,7 @@ from mindspore import ops as msops
 from hyper_parallel.platform.mindspore.dtypes import dtype_name_of
 
 from hyper_parallel.platform.base import (
+    HandleGroup,
     CompletedHandle,
     Communicator,
     Group,
@@ -146,6 +147,21 @@ class MindSporeCommunicator(Communicator):
             self._groups[key] = Group(key, native=name)
         return self._groups[key]
 
+    def group_unsupported_reason(self, ranks: Sequence[int]) -> str | None:
+        if self._cpu and tuple(sorted(int(r) for r in ranks)) != self._world.ranks:
+            return _CPU_HINT.format(what=f"communication sub-groups (asked for {sorted(ranks)})")
+        return None
+
+    def collective_unsupported_reason(self, op: str, group: Group | None = None) -> str | None:
+        group = self._world if group is None else group
+        if not self._cpu or self._local(group):
+            return None
+        if group.ranks != self._world.ranks:
+            return _CPU_HINT.format(what=f"{op} on a sub-group (only the world group)")
+        if op in ("reduce_scatter", "all_to_all", "isend", "irecv", "batch_isend_irecv"):
+            return _CPU_HINT.format(what=op)
+        return None
+
     def _group(self, group: Group | None, what: str) -> Group:
         group = self._world if group is None else group
         if self._cpu and group.ranks != self._world.ranks:
@@ -179,6 +195,29 @@ class MindSporeCommunicator(Communicator):
             raise self._cpu_unavailable("point-to-point communication (irecv)")
         native = self._group(group, "irecv").native
         return MindSporeHandle(self._mint().irecv(tensor, src, group=native))
+
+    # ------------------------------------------------------------------ metadata channel
+    # MindSpore offers no second, eager transport beside HCCL: metadata travels as two small int
+    # tensors (size, then values) over the same point-to-point engine. Untested on Ascend here.
+    def isend_meta(self, values: Sequence[int], dst: int, tag: int = 0) -> Handle:
+        if self._cpu:
+            raise self._cpu_unavailable("point-to-point communication (metadata)")
+        size = ms.Tensor(np.array([len(values)], np.int64))
+        first = self.isend(size, dst, tag=tag)
+        second = self.isend(ms.Tensor(np.array(values, np.int64)), dst, tag=tag) if len(values) else None
+        return HandleGroup([h for h in (first, second) if h is not None])
+
+    def recv_meta(self, src: int, timeout: float | None = None, tag: int = 0) -> list[int]:
+        if self._cpu:
+            raise self._cpu_unavailable("point-to-point communication (metadata)")
+        size = ms.Tensor(np.zeros(1, np.int64))
+        self.irecv(size, src, tag=tag).wait(timeout)
+        count = int(size.asnumpy()[0])
+        if not count:
+            return []
+        body = ms.Tensor(np.zeros(count, np.int64))
+        self.irecv(body, src, tag=tag).wait(timeout)
+        return [int(v) for v in body.asnumpy().tolist()]
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
         if self._cpu:

@@ -1,4 +1,8 @@
-"""MindSporePlatform: the MindSpore (PyNative) half of :class:`~hyper_parallel.platform.base.Platform`.
+"""MindSporePlatform: the MindSpore half of :class:`~hyper_parallel.platform.base.Platform`.
+
+Stage steps run in PyNative whatever the user's mode, with the stage's Cell compiled by
+``ms.jit`` under ``GRAPH_MODE`` (or always, with ``HYPER_PARALLEL_MS_COMPILE=jit``); see
+``compiled.py`` and ``docs/mindspore.md``.
 
 Where gradients live: in the eager engine's per-parameter slot ``param._grad`` (MindSpore 2.10
 has no public ``Parameter.grad``). Both autograd paths accumulate there; ``get_grad`` reads it and
@@ -11,8 +15,8 @@ has no public ``Parameter.grad``). Both autograd paths accumulate there; ``get_g
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Iterator, Sequence
+import importlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import mindspore as ms
@@ -20,7 +24,7 @@ import numpy as np
 from mindspore import ops
 
 from hyper_parallel.platform.base import Communicator, ForwardRecord, HostEvent, HostStream, Platform
-from hyper_parallel.platform.mindspore.autograd import StageAutograd, create_autograd
+from hyper_parallel.platform.mindspore.compiled import StageRunner
 from hyper_parallel.platform.mindspore.dtypes import _FLOATING, _NAMES, dtype_name_of, ms_dtype
 
 _DEVICE_TYPES = {"CPU": "cpu", "Ascend": "npu", "GPU": "cuda"}
@@ -45,36 +49,46 @@ def ensure_device() -> None:
 
 
 class MindSporePlatform(Platform):
-    """MindSpore in PyNative mode; ``autograd_mode`` tells which stage-autograd path runs."""
+    """MindSpore in PyNative or GRAPH_MODE; ``autograd_mode`` tells which stage-autograd path runs,
+    ``compile_mode`` when stages run as compiled graphs."""
 
     name = "mindspore"
 
-    def __init__(self, comm: Communicator | None = None, autograd: str | None = None) -> None:
-        """``autograd``: ``"auto"`` | ``"engine"`` | ``"recompute"`` (default ``HYPER_PARALLEL_MS_AUTOGRAD``)."""
+    def __init__(self, comm: Communicator | None = None, autograd: str | None = None,
+                 compile: str | None = None) -> None:  # noqa: A002
+        """``autograd``: ``"auto"`` | ``"engine"`` | ``"recompute"`` (default ``HYPER_PARALLEL_MS_AUTOGRAD``);
+        ``compile``: ``"auto"`` | ``"jit"`` | ``"eager"`` (default ``HYPER_PARALLEL_MS_COMPILE``), see
+        ``hyper_parallel.platform.mindspore.compiled`` and ``docs/mindspore.md``."""
         super().__init__(comm)
         ensure_device()
-        self._autograd_request = autograd
-        self._autograd_backend: StageAutograd | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def _autograd(self) -> StageAutograd:
-        # created on first use: no tensor exists before communication.init() on Ascend
-        if self._autograd_backend is None:
-            with self._lock:
-                if self._autograd_backend is None:
-                    self._autograd_backend = create_autograd(self._autograd_request)
-        return self._autograd_backend
+        self._autograd = StageRunner(autograd, compile)
+        self._saved: Any = None
 
     @property
     def autograd_mode(self) -> str:
         """``"engine"`` (eager engine, private API) or ``"recompute"`` (public fallback)."""
         return self._autograd.mode
 
+    @property
+    def compile_mode(self) -> str:
+        """``"auto"`` (compile stages in GRAPH_MODE), ``"jit"`` (always) or ``"eager"`` (never)."""
+        return self._autograd.compile_mode
+
     def _default_communicator(self) -> Communicator:
         from hyper_parallel.platform.mindspore.comm import MindSporeCommunicator
 
         return MindSporeCommunicator()
+
+    # ------------------------------------------------------------------ distributed tensors
+    def custom_function(self, forward: Callable[[Any], Any], backward: Callable[[Any], Any], tensor: Any) -> Any:
+        from hyper_parallel.platform.mindspore.dtensor import custom_function
+
+        return custom_function(forward, backward, tensor)
+
+    def sync_point(self, tensor: Any, on_forward: Callable[[], None], on_backward: Callable[[], None]) -> Any:
+        from hyper_parallel.platform.mindspore.sync_point import sync_point
+
+        return sync_point(tensor, on_forward, on_backward)
 
     # ------------------------------------------------------------------ tensors
     def is_tensor(self, obj: Any) -> bool:
@@ -88,14 +102,26 @@ class MindSporePlatform(Platform):
             dtype = "float32"  # Python floats default to float32, as in torch
         return self.from_numpy(array, dtype)
 
-    def zeros(self, shape: Sequence[int], dtype: str = "float32") -> Any:
+    def zeros(self, shape: Sequence[int], dtype: str = "float32", device: Any = None) -> Any:
         return ops.zeros(tuple(shape), ms_dtype(dtype))
 
-    def ones(self, shape: Sequence[int], dtype: str = "float32") -> Any:
+    def ones(self, shape: Sequence[int], dtype: str = "float32", device: Any = None) -> Any:
         return ops.ones(tuple(shape), ms_dtype(dtype))
 
-    def empty(self, shape: Sequence[int], dtype: str = "float32") -> Any:
+    def empty(self, shape: Sequence[int], dtype: str = "float32", device: Any = None) -> Any:
         return ms.mint.empty(tuple(shape), dtype=ms_dtype(dtype))
+
+    def check_device(self, device: Any) -> Any:
+        """MindSpore places tensors on the device of its context: ``device`` may only name that one."""
+        if device is None:
+            return None
+        target = _device_target()
+        names = {target.lower(), _DEVICE_TYPES.get(target, target.lower())}
+        if str(device).split(":")[0].lower() not in names:
+            raise ValueError(
+                f"MindSpore places tensors on the context's device ({target}); cannot use device {device!r}"
+            )
+        return None
 
     def shape(self, tensor: Any) -> tuple[int, ...]:
         return tuple(tensor.shape)
@@ -166,7 +192,27 @@ class MindSporePlatform(Platform):
         params: Sequence[Any],
         grad_args: Sequence[bool],
     ) -> ForwardRecord:
-        return self._autograd.forward(fn, args, kwargs, params, grad_args)
+        saved = self._saved
+        if saved is None or not saved.capture or self._autograd.mode != "engine":
+            return self._autograd.forward(fn, args, kwargs, params, grad_args)
+        from hyper_parallel.platform.activations import SavedPool, active_pool
+
+        pool = SavedPool()  # swap or memory tracking is on: pack what the forward saves
+        with ms.saved_tensors_hooks(pool.pack, pool.unpack), active_pool(pool):
+            record = self._autograd.forward(fn, args, kwargs, params, grad_args)
+        record.native.extra["saved_pool"] = pool
+        saved.after_forward(record)
+        return record
+
+    def stage_forward_no_grad(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        from mindspore.graph.api import _pynative_executor as executor
+
+        old = executor.grad_flag()
+        executor.set_grad_flag(False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            executor.set_grad_flag(old)
 
     def stage_backward(self, record: ForwardRecord, grads: Sequence[Any]) -> tuple[Any, ...]:
         return self._autograd.backward(record, grads)
@@ -182,6 +228,18 @@ class MindSporePlatform(Platform):
         """Trainable parameters of a Cell, named by their ``Parameter.name``."""
         return [(p.name, p) for p in module.trainable_params()]
 
+    def unique_parameter_names(self, stage_params: Sequence[tuple[int, Sequence[Any]]]) -> None:
+        owner: dict[int, tuple[int, Any]] = {}
+        for stage_index, params in stage_params:
+            for param in params:
+                owner.setdefault(id(param), (stage_index, param))
+        counts: dict[str, int] = {}
+        for _, param in owner.values():
+            counts[param.name] = counts.get(param.name, 0) + 1
+        for stage_index, param in owner.values():
+            if counts[param.name] > 1:
+                param.name = f"stage{stage_index}.{param.name}"
+
     def get_grad(self, param: Any) -> Any | None:
         """The accumulated gradient (``param._grad``, see the module docstring) or ``None``."""
         return getattr(param, "_grad", None)
@@ -189,6 +247,17 @@ class MindSporePlatform(Platform):
     def set_grad(self, param: Any, grad: Any | None) -> None:
         if grad is not None and not isinstance(grad, ms.Tensor):
             raise TypeError(f"a gradient must be a MindSpore Tensor or None, got {type(grad).__name__}")
+        if grad is not None and tuple(grad.shape) != tuple(param.shape):
+            # A parameter sharded by fully_shard whose whole value is gathered right now (a failed run puts its
+            # sharded gradient back before the shards are): the engine checks a gradient against the data's
+            # shape, so attach it while the parameter briefly holds data of the gradient's shape.
+            whole = ops.stop_gradient(param)
+            param.set_data(ms.mint.empty(tuple(grad.shape), dtype=param.dtype), slice_shape=True)
+            try:
+                param._grad = grad
+            finally:
+                param.set_data(whole, slice_shape=True)
+            return
         param._grad = grad
 
     def scale_grads(self, params: Sequence[Any], factor: float) -> None:
@@ -207,7 +276,9 @@ class MindSporePlatform(Platform):
             value = ms.Tensor(np.asarray(value))
         if value.dtype != param.dtype:
             value = value.astype(param.dtype)
-        ops.assign(param, value)
+        # In place with ``copy_``: ``ops.assign`` checks against the shape the parameter had when an operator
+        # first used it, which is stale once fully_shard swapped its data for a shard (measured on 2.10).
+        param.copy_(value)
 
     # ------------------------------------------------------------------ device, streams, events
     @property
@@ -235,6 +306,66 @@ class MindSporePlatform(Platform):
             return HostEvent(ms.runtime.synchronize)
         return ms.runtime.Event()
 
+    # ------------------------------------------------------------------ saved activations
+    def saved_tensors(self) -> Any:
+        if self._saved is None:
+            from hyper_parallel.platform.activations import SavedTensorSupport
+            from hyper_parallel.platform.mindspore.activations import MindSporeSavedOps
+
+            self._saved = SavedTensorSupport(MindSporeSavedOps(self))
+        return self._saved
+
+    # ------------------------------------------------------------------ data parallelism, sharding, checkpoints
+    def reshape(self, tensor: Any, shape: Sequence[int]) -> Any:
+        return tensor.reshape(tuple(shape))
+
+    def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
+        return list(ops.split(tensor, list(sizes), axis=dim))
+
+    def set_param_storage(self, param: Any, value: Any) -> None:
+        """``Parameter.set_data`` with ``slice_shape=True`` (the shape may change: sharding)."""
+        param.set_data(value, slice_shape=True)
+
+    def register_forward_pre_hook(self, module: Any, hook: Callable[[], None]) -> Any:
+        return module.register_forward_pre_hook(lambda _cell, _args: hook())
+
+    def save_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any], extra: Any) -> None:
+        from hyper_parallel.platform.mindspore import checkpoint
+
+        checkpoint.save(self, path, params, optimizers, extra)
+
+    def load_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any]) -> Any:
+        from hyper_parallel.platform.mindspore import checkpoint
+
+        return checkpoint.load(self, path, params, optimizers)
+
+    # ------------------------------------------------------------------ random state
+    def get_rng_state(self) -> tuple[Any, dict[Any, int], Any]:
+        """MindSpore's two process-wide random states.
+
+        * the seed of ``ms.set_seed`` and the per-kernel seed counters derived from it
+          (``mindspore.common.seed``), which the ``ops`` random functions that run on the CPU
+          build (``ops.randn``, ``ops.rand``, ``ops.uniform``, ``ops.dropout``, ``ops.randint``,
+          ``ops.multinomial``...) draw from;
+        * the default generator of ``ms.manual_seed`` (``ms.get_rng_state``), which the ``mint``
+          random functions use (they have no CPU kernel in 2.10).
+
+        numpy's global state, which ``ms.set_seed`` also seeds, is not part of it (LocalCluster
+        swaps that itself). A random primitive created once and kept (``nn.Dropout`` keeps its
+        own) draws from its own state, like any per-object generator. Reading or writing the
+        default generator's state waits for the kernels already queued (measured on the CPU build).
+        """
+        seeds = _seed_module()
+        return seeds._GLOBAL_SEED, dict(seeds._KERNEL_SEED), ms.get_rng_state()
+
+    def set_rng_state(self, state: tuple[Any, dict[Any, int], Any]) -> None:
+        global_seed, kernel_seeds, generator_state = state
+        seeds = _seed_module()
+        seeds._GLOBAL_SEED = global_seed
+        seeds._KERNEL_SEED.clear()  # MindSpore updates this dict in place: keep the object
+        seeds._KERNEL_SEED.update(kernel_seeds)
+        ms.set_rng_state(generator_state)
+
     # ------------------------------------------------------------------ host offload
     def to_host(self, tensor: Any, non_blocking: bool = False) -> Any:
         """A host copy (a copy on the CPU too); pinned where the build supports it (unverified on Ascend)."""
@@ -246,6 +377,11 @@ class MindSporePlatform(Platform):
 
     def to_device(self, tensor: Any, non_blocking: bool = False) -> Any:
         return ops.stop_gradient(tensor).to(_device_target(), non_blocking=non_blocking, copy=True)
+
+
+def _seed_module() -> Any:
+    # ``mindspore.common.seed`` is shadowed by the function ``mindspore.common.seed``
+    return importlib.import_module("mindspore.common.seed")
 
 
 @contextlib.contextmanager

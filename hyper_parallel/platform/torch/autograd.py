@@ -5,38 +5,98 @@ was released after sending (see ``TorchPlatform.release_storage``) can still be 
 of a backward: the engine checks the gradient against the recorded output metadata, not
 against the (now empty) data.
 
-Costs (measured in the closing note of the foundation issue): a full backward walks the
-graph once. The dx/dW split walks it twice: ``stage_backward_input`` keeps the graph and
-computes only the input gradients, ``stage_backward_weight`` walks it again for the
-parameters (about 1.3-1.7x a full backward in total on small models).
+A full backward walks the graph once. The dx/dW split (``split_backward``) runs every backward
+formula once too: ``stage_backward_input`` computes the input gradients and keeps the gradient
+arriving at each weight-consuming node, ``stage_backward_weight`` computes only the weight
+gradients from those. The forward packs what the graph saves (``_SavedPool``), so the input
+backward can free what only dx needs as it goes and the weight backward frees the rest.
+Measured costs: ``benchmarks/results/autograd_split_cost.md``; see ``docs/zero_bubble.md``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+import weakref
 from typing import Any
 
 import torch
-from torch.autograd.variable import Variable
-
+from hyper_parallel.platform.activations.state import active_pool
 from hyper_parallel.platform.base import ForwardRecord
+from hyper_parallel.platform.torch.split_backward import (
+    SplitPlan,
+    direct_calls_work,
+    gradient_edges,
+    plan_split,
+    run_engine,
+)
+
+
+class _Saved:
+    """What the graph keeps for one saved tensor (packed by this module's saved-tensor hook)."""
+
+    __slots__ = ("tensor", "dx_only", "source", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.dx_only = False  # only the input backward needs it (set by that backward)
+        self.source: Any = None  # swap group / recompute region that restores ``tensor`` (platform.activations)
+
+
+class _SavedPool:
+    """Hooks that pack what one forward saves, so that the input backward can free it early.
+
+    While ``dropping`` is set (the input backward), a saved tensor marked ``dx_only`` is dropped
+    as soon as its node has unpacked it, as a backward that frees the graph would do.
+    """
+
+    def __init__(self) -> None:
+        self.storages: set[int] = set()  # storages the graph saved for its backward
+        self.items: list[weakref.ref[_Saved]] = []  # every item packed (activation swap, memory accounting)
+        self.dropping = False
+
+    def pack(self, t: torch.Tensor) -> _Saved:
+        if t.layout == torch.strided:
+            self.storages.add(t.untyped_storage().data_ptr())
+        item = _Saved(t)
+        self.items.append(weakref.ref(item))
+        return item
+
+    def unpack(self, item: _Saved) -> torch.Tensor:
+        if item.tensor is None and item.source is not None:
+            item.source.materialize(item)  # offloaded (swap) or dropped for a recompute
+        t = item.tensor
+        if t is None:
+            raise RuntimeError("this stage's backward already ran and freed what the forward saved for it; "
+                               "a forward record takes one backward (or one input + one weight backward)")
+        if self.dropping and item.dx_only:
+            item.tensor = None
+        return t
 
 
 @dataclass
 class _TorchState:
     leaves: tuple[Any, ...]  # per positional arg: the detached leaf, or None
-    saved_storages: frozenset[int] = frozenset()  # storages the graph saved for its backward
-    roots: tuple[Any, ...] = ()  # kept between the input and the weight backward
-    root_grads: tuple[Any, ...] = ()
+    pool: _SavedPool
+    step: str = "forward"  # forward -> input_done -> done
+    plan: SplitPlan | None = None  # kept between the input and the weight backward
+    rewalk: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (roots, grads) for the fallback
+
+    def advance(self, expected: str, new: str, what: str) -> None:
+        if self.step != expected:
+            if self.step == "forward":
+                raise RuntimeError(f"cannot run {what} before the input backward of this forward record")
+            done = "its input backward" if self.step == "input_done" else "its backward"
+            raise RuntimeError(f"cannot run {what} on a forward record that already ran {done}")
+        self.step = new
 
 
 def _flatten(result: Any) -> tuple[Any, ...]:
-    if isinstance(result, torch.Tensor):
-        return (result,)
+    """A tuple or list gives its items, anything else is one output; non-tensors are kept so
+    that the caller can name the stage that returned one."""
     if isinstance(result, (tuple, list)):
         return tuple(result)
-    raise TypeError(f"a stage must return a tensor or a tuple of tensors, got {type(result).__name__}")
+    return (result,)
 
 
 def stage_forward(
@@ -59,21 +119,15 @@ def stage_forward(
         else:
             leaves.append(None)
         call_args.append(arg)
-    saved: set[int] = set()
-
-    def note_saved(t: torch.Tensor) -> torch.Tensor:
-        if t.layout == torch.strided:
-            saved.add(t.untyped_storage().data_ptr())
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(note_saved, lambda t: t):
+    pool = _SavedPool()
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pool.pack, pool.unpack), active_pool(pool):
         result = fn(*call_args, **kwargs)
     return ForwardRecord(
         result=result,
         outputs=_flatten(result),
         grad_args=tuple(bool(g) for g in grad_args),
         params=tuple(params),
-        native=_TorchState(leaves=tuple(leaves), saved_storages=frozenset(saved)),
+        native=_TorchState(leaves=tuple(leaves), pool=pool),
     )
 
 
@@ -88,7 +142,7 @@ def releasable(record: ForwardRecord, tensor: Any) -> bool:
         isinstance(tensor, torch.Tensor)
         and tensor.grad_fn is not None
         and tensor.layout == torch.strided
-        and tensor.untyped_storage().data_ptr() not in state.saved_storages
+        and tensor.untyped_storage().data_ptr() not in state.pool.storages
     )
 
 
@@ -102,12 +156,6 @@ def _roots(record: ForwardRecord, grads: Sequence[Any]) -> tuple[tuple[Any, ...]
         roots.append(out)
         root_grads.append(grad)
     return tuple(roots), tuple(root_grads)
-
-
-def _engine(roots, root_grads, keep_graph: bool, inputs: tuple, accumulate: bool):  # type: ignore[no-untyped-def]
-    return Variable._execution_engine.run_backward(
-        roots, root_grads, keep_graph, False, inputs, True, accumulate_grad=accumulate
-    )
 
 
 def _input_grads(state: _TorchState, found: dict[int, Any]) -> tuple[Any, ...]:
@@ -124,26 +172,58 @@ def _input_grads(state: _TorchState, found: dict[int, Any]) -> tuple[Any, ...]:
 def stage_backward(record: ForwardRecord, grads: Sequence[Any]) -> tuple[Any, ...]:
     state: _TorchState = record.native
     roots, root_grads = _roots(record, grads)
+    state.advance("forward", "done", "a backward")
     leaves = tuple(leaf for leaf in state.leaves if leaf is not None)
     if roots:
-        _engine(roots, root_grads, False, (), True)
+        run_engine(roots, root_grads, False, (), True)
     return _input_grads(state, {id(leaf): leaf.grad for leaf in leaves})
+
+
+def _trainable(params: Sequence[Any]) -> tuple[Any, ...]:
+    seen: set[int] = set()
+    out = []
+    for p in params:
+        if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return tuple(out)
 
 
 def stage_backward_input(record: ForwardRecord, grads: Sequence[Any]) -> tuple[Any, ...]:
     state: _TorchState = record.native
     roots, root_grads = _roots(record, grads)
-    state.roots, state.root_grads = roots, root_grads
+    state.advance("forward", "input_done", "an input backward")
     leaves = tuple(leaf for leaf in state.leaves if leaf is not None)
-    if not roots or not leaves:
+    if not roots:
         return _input_grads(state, {})
-    found = _engine(roots, root_grads, True, leaves, False)
-    return _input_grads(state, {id(leaf): g for leaf, g in zip(leaves, found, strict=True)})
+    if not direct_calls_work():  # fallback: keep the roots and walk the whole graph again for dW
+        state.rewalk = (roots, root_grads)
+        found = run_engine(roots, root_grads, True, leaves, False) if leaves else ()
+    else:
+        state.plan = plan = plan_split(gradient_edges(roots), root_grads, leaves, _trainable(record.params))
+        # free what only dx needs as the pass goes, like a backward that frees the graph
+        for packed in plan.dx_only_saved():
+            if isinstance(packed, _Saved):
+                packed.dx_only = True
+        state.pool.dropping = True
+        try:
+            found = plan.run_input(roots, root_grads, leaves)
+        finally:
+            state.pool.dropping = False
+    return _input_grads(state, {id(leaf): g for leaf, g in zip(leaves, found)})
 
 
 def stage_backward_weight(record: ForwardRecord) -> None:
     state: _TorchState = record.native
-    params = tuple(p for p in record.params if p.requires_grad)
-    if state.roots and params:
-        _engine(state.roots, state.root_grads, False, params, True)
-    state.roots, state.root_grads = (), ()
+    state.advance("input_done", "done", "a weight backward")
+    plan, rewalk, state.plan, state.rewalk = state.plan, state.rewalk, None, None
+    params = _trainable(record.params)
+    if plan is not None:
+        kept = [packed for packed in plan.boundary_saved() if isinstance(packed, _Saved)]
+        try:
+            plan.run_weight(params)
+        finally:  # the boundary nodes ran their last time; the rest of the graph freed itself
+            for packed in kept:
+                packed.tensor = None
+    elif rewalk is not None and params:
+        run_engine(rewalk[0], rewalk[1], False, params, True)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from hyper_parallel.platform.base import Communicator, Group, Handle, P2POp, default_comm_timeout
+from hyper_parallel.platform.base import Communicator, Group, Handle, HandleGroup, P2POp, default_comm_timeout
 
 _REDUCE = {
     "sum": dist.ReduceOp.SUM,
@@ -27,16 +29,28 @@ class TorchHandle(Handle):
     """Wraps a ``torch.distributed.Work``; a failed wait names the operation and the peer.
 
     ``keep`` holds tensors the operation reads until it completes (e.g. a contiguous copy).
+    With ``stream_wait`` (NCCL / HCCL), ``wait()`` without a timeout makes the current stream
+    wait for the operation and returns at once, as torch does: the host keeps queueing work and
+    the process group's own timeout (``HYPER_PARALLEL_COMM_TIMEOUT`` when hyper-parallel created
+    it) bounds the operation. A wait with an explicit timeout blocks the host.
     """
 
-    def __init__(self, work: Any, what: str, keep: Any = None) -> None:
+    def __init__(self, work: Any, what: str, keep: Any = None, stream_wait: bool = False) -> None:
         self._work = work
         self._what = what
         self._keep = keep
+        self._stream_wait = stream_wait
         self._done = False
 
     def wait(self, timeout: float | None = None) -> None:
         if self._done:
+            return
+        if self._stream_wait and timeout is None:
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                raise RuntimeError(f"{self._what} failed (did the peer rank die?): {exc}") from exc
+            self._done = True
             return
         seconds = default_comm_timeout() if timeout is None else timeout
         try:
@@ -52,6 +66,45 @@ class TorchHandle(Handle):
         return self._done or bool(self._work.is_completed())
 
 
+class _Averaged(Handle):
+    """A summing all-reduce that divides by the group size once it completed."""
+
+    def __init__(self, handle: TorchHandle, tensor: Any, size: int) -> None:
+        self._handle, self._tensor, self._size = handle, tensor, size
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._tensor is not None:
+            self._handle.wait(timeout)
+            self._tensor.div_(self._size)
+            self._tensor = None
+
+    def is_completed(self) -> bool:
+        return self._tensor is None
+
+
+def _local(tensor: Any) -> Any:
+    """The local piece of a torch DTensor (e.g. a fully sharded parameter), else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def check_launcher_environment() -> None:
+    """Raise a clear error when no launcher set the variables ``init_process_group`` reads."""
+    missing = [name for name in LAUNCHER_VARIABLES if not os.environ.get(name)]
+    if not missing:
+        return
+    raise RuntimeError(
+        f"torch.distributed is not initialised and {', '.join(missing)} "
+        f"{'is' if len(missing) == 1 else 'are'} not set: this process was not started by a launcher. "
+        "Start the script on N ranks with `torchrun --nproc-per-node=N script.py` (MindSpore: "
+        "`msrun --worker_num=N --local_worker_num=N script.py`), call "
+        "torch.distributed.init_process_group yourself first, or run the ranks inside this process "
+        "with hyper_parallel.platform.local.LocalCluster(N).run(fn)"
+    )
+
+
 class TorchCommunicator(Communicator):
     """Initialises the default process group from the launcher's environment if needed."""
 
@@ -60,12 +113,15 @@ class TorchCommunicator(Communicator):
             raise RuntimeError("this torch build has no torch.distributed")
         self._device_type = device_type
         if not dist.is_initialized():
+            check_launcher_environment()
             dist.init_process_group(
                 backend=backend_for_device(device_type),
                 timeout=datetime.timedelta(seconds=default_comm_timeout()),
             )
-        self._world = Group(tuple(range(dist.get_world_size())), native=None)
+        # native is the real ProcessGroup, so a Group drops into any torch.distributed call
+        self._world = Group(tuple(range(dist.get_world_size())), native=dist.group.WORLD)
         self._gloo_like = dist.get_backend() == "gloo"
+        self._meta_groups: dict[tuple[int, ...], Any] = {}  # ranks -> gloo group of the metadata channel
 
     @property
     def rank(self) -> int:
@@ -93,15 +149,17 @@ class TorchCommunicator(Communicator):
 
     # P2P ----------------------------------------------------------------------------
     def isend(self, tensor: Any, dst: int, group: Group | None = None, tag: int = 0) -> Handle:
-        tensor = tensor.contiguous()  # the engines send contiguous memory only
+        tensor = _local(tensor).contiguous()  # the engines send contiguous memory only
         work = dist.isend(tensor, dst=dst, group=self._pg(group), tag=tag)
-        return TorchHandle(work, f"send from rank {self.rank} to rank {dst}", keep=tensor)
+        return TorchHandle(work, f"send from rank {self.rank} to rank {dst}", keep=tensor,
+                           stream_wait=not self._gloo_like)
 
     def irecv(self, tensor: Any, src: int, group: Group | None = None, tag: int = 0) -> Handle:
+        tensor = _local(tensor)  # a torch DTensor receives into its local piece
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self.rank}: a receive buffer must be contiguous")
         work = dist.irecv(tensor, src=src, group=self._pg(group), tag=tag)
-        return TorchHandle(work, f"receive on rank {self.rank} from rank {src}")
+        return TorchHandle(work, f"receive on rank {self.rank} from rank {src}", stream_wait=not self._gloo_like)
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
         if not ops:
@@ -116,7 +174,8 @@ class TorchCommunicator(Communicator):
         ]
         works = dist.batch_isend_irecv(native)
         return [
-            TorchHandle(w, f"batched {op.op} between rank {self.rank} and rank {op.peer}", keep=t)
+            TorchHandle(w, f"batched {op.op} between rank {self.rank} and rank {op.peer}", keep=t,
+                        stream_wait=not self._gloo_like)
             for w, op, t in zip(works, ops, tensors, strict=True)
         ]
 
@@ -128,6 +187,12 @@ class TorchCommunicator(Communicator):
         else:
             dist.all_reduce(tensor, op=_REDUCE[op], group=self._pg(group))
         return tensor
+
+    def all_reduce_async(self, tensor: Any, op: str = "sum", group: Group | None = None) -> Handle:
+        reduce_op = dist.ReduceOp.SUM if op == "avg" else _REDUCE[op]
+        work = dist.all_reduce(tensor, op=reduce_op, group=self._pg(group), async_op=True)
+        handle = TorchHandle(work, f"all-reduce on rank {self.rank} over ranks {list(self._group(group).ranks)}")
+        return _Averaged(handle, tensor, self._group(group).size) if op == "avg" else handle
 
     def all_gather(self, tensor: Any, group: Group | None = None) -> list[Any]:
         out = [torch.empty_like(tensor) for _ in range(self._group(group).size)]
@@ -180,6 +245,41 @@ class TorchCommunicator(Communicator):
         dist.barrier(group=self._pg(group))
 
     # objects ------------------------------------------------------------------------
+    # metadata channel -------------------------------------------------------------
+    def open_meta_channel(self, ranks: Sequence[int]) -> None:
+        """A gloo group over ``ranks`` (only they take part in creating it): small CPU messages whose
+        sends never wait for their receive, apart from the data stream (NCCL, HCCL or gloo)."""
+        ranks = tuple(sorted(int(r) for r in ranks))
+        if ranks not in self._meta_groups and len(ranks) > 1:
+            self._meta_groups[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+
+    def _meta_group(self, peer: int) -> Any:
+        for ranks, group in self._meta_groups.items():
+            if peer in ranks and self.rank in ranks:
+                return group
+        raise RuntimeError(
+            f"rank {self.rank}: no metadata channel to rank {peer}; open_meta_channel must be called first"
+        )
+
+    def isend_meta(self, values: Sequence[int], dst: int, tag: int = 0) -> Handle:
+        group = self._meta_group(dst)
+        size = torch.tensor([len(values)], dtype=torch.int64)
+        payload = (size, torch.tensor(list(values), dtype=torch.int64))
+        work = dist.isend(size, dst=dst, group=group, tag=tag)
+        body = dist.isend(payload[1], dst=dst, group=group, tag=tag) if len(values) else None
+        what = f"metadata send from rank {self.rank} to rank {dst}"
+        return HandleGroup([TorchHandle(w, what, keep=payload) for w in (work, body) if w is not None])
+
+    def recv_meta(self, src: int, timeout: float | None = None, tag: int = 0) -> list[int]:
+        group = self._meta_group(src)
+        size = torch.zeros(1, dtype=torch.int64)
+        what = f"metadata receive on rank {self.rank} from rank {src}"
+        TorchHandle(dist.irecv(size, src=src, group=group, tag=tag), what).wait(timeout)
+        body = torch.zeros(int(size.item()), dtype=torch.int64)
+        if body.numel():
+            TorchHandle(dist.irecv(body, src=src, group=group, tag=tag), what).wait(timeout)
+        return [int(v) for v in body.tolist()]
+
     def send_object(self, obj: Any, dst: int, group: Group | None = None) -> None:
         dist.send_object_list([obj], dst=dst, group=self._pg(group))
 

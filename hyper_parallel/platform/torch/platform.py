@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 
-from hyper_parallel.platform.base import Communicator, ForwardRecord, HostEvent, HostStream, Platform
+from hyper_parallel.platform.base import Communicator, ForwardRecord, Group, HostEvent, HostStream, Platform
+from hyper_parallel.platform.torch import dtensor as torch_dtensor
 from hyper_parallel.platform.torch.autograd import (
     releasable,
     stage_backward,
@@ -61,11 +62,57 @@ class TorchPlatform(Platform):
     def __init__(self, comm: Communicator | None = None, device_type: str | None = None) -> None:
         super().__init__(comm)
         self._device_type = device_type or _detect_device_type()
+        # DTensor redistribution through torch.distributed.tensor (real jobs only); False: our own collectives
+        self.use_torch_dtensor = True
+        self._saved: Any = None
 
     def _default_communicator(self) -> Communicator:
         from hyper_parallel.platform.torch.comm import TorchCommunicator
 
         return TorchCommunicator(self._device_type)
+
+    # ------------------------------------------------------------------ distributed tensors
+    def custom_function(self, forward: Callable[[Any], Any], backward: Callable[[Any], Any], tensor: Any) -> Any:
+        return torch_dtensor.custom_function(forward, backward, tensor)
+
+    def sync_point(self, tensor: Any, on_forward: Callable[[], None], on_backward: Callable[[], None]) -> Any:
+        from hyper_parallel.platform.torch.sync_point import sync_point
+
+        return sync_point(tensor, on_forward, on_backward)
+
+    def _thread_state(self) -> Any:
+        return torch.is_grad_enabled()
+
+    def _enter_thread_state(self, state: Any) -> None:
+        torch.set_grad_enabled(bool(state))
+
+    def group_from_native(self, native: Any) -> Group:
+        return torch_dtensor.group_from_native(native)
+
+    def native_process_group(self, group: Group) -> Any:
+        return torch_dtensor.native_process_group(group)
+
+    def native_device_mesh(self, device_type: str, nested: Any, groups: Sequence[Group], names: Sequence[str]) -> Any:
+        return torch_dtensor.native_device_mesh(device_type, nested, groups, names)
+
+    def mesh_from_native(self, native: Any) -> tuple[str, list[Any], tuple[str, ...], list[Group]]:
+        return torch_dtensor.mesh_from_native(native)
+
+    def native_dtensor_available(self) -> bool:
+        from hyper_parallel.platform.torch.comm import TorchCommunicator
+
+        return self.use_torch_dtensor and isinstance(self.comm, TorchCommunicator)
+
+    def native_redistribute(self, local: Any, mesh: Any, src: Sequence[tuple[Any, ...]],
+                            dst: Sequence[tuple[Any, ...]], shape: Sequence[int]) -> Any:
+        return torch_dtensor.native_redistribute(local, mesh, src, dst, shape)
+
+    def native_dtensor(self, local: Any, mesh: Any, placements: Sequence[tuple[Any, ...]],
+                       shape: Sequence[int]) -> Any:
+        return torch_dtensor.native_dtensor(local, mesh, placements, shape)
+
+    def dtensor_from_native(self, native: Any) -> tuple[Any, Any, tuple[tuple[Any, ...], ...], tuple[int, ...]]:
+        return torch_dtensor.dtensor_from_native(native)
 
     # ------------------------------------------------------------------ tensors
     def is_tensor(self, obj: Any) -> bool:
@@ -81,14 +128,35 @@ class TorchPlatform(Platform):
     def tensor(self, data: Any, dtype: str | None = None) -> Any:
         return torch.tensor(data, dtype=None if dtype is None else torch_dtype(dtype), device=self.device)
 
-    def zeros(self, shape: Sequence[int], dtype: str = "float32") -> Any:
-        return torch.zeros(tuple(shape), dtype=torch_dtype(dtype), device=self.device)
+    def zeros(self, shape: Sequence[int], dtype: str = "float32", device: Any = None) -> Any:
+        return torch.zeros(tuple(shape), dtype=torch_dtype(dtype), device=self.device if device is None else device)
 
-    def ones(self, shape: Sequence[int], dtype: str = "float32") -> Any:
-        return torch.ones(tuple(shape), dtype=torch_dtype(dtype), device=self.device)
+    def ones(self, shape: Sequence[int], dtype: str = "float32", device: Any = None) -> Any:
+        return torch.ones(tuple(shape), dtype=torch_dtype(dtype), device=self.device if device is None else device)
 
-    def empty(self, shape: Sequence[int], dtype: str = "float32") -> Any:
-        return torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=self.device)
+    def empty(self, shape: Sequence[int], dtype: str = "float32", device: Any = None) -> Any:
+        return torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=self.device if device is None else device)
+
+    def check_device(self, device: Any) -> Any:
+        if device is None:
+            return None
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"not a torch device: {device!r} ({exc})") from None
+        if device.type not in ("cpu", "meta"):
+            module = getattr(torch, device.type, None)
+            available = getattr(module, "is_available", None)
+            if available is None or not available():
+                raise ValueError(f"device {device} is not available on this machine")
+            if device.index is None:
+                device = torch.device(device.type, module.current_device())
+        return device
+
+    def to_stage_device(self, tensor: Any, device: Any) -> Any:
+        if device is None or not isinstance(tensor, torch.Tensor) or tensor.device == device:
+            return tensor
+        return tensor.to(device)
 
     def zeros_like(self, tensor: Any) -> Any:
         return torch.zeros_like(tensor)
@@ -163,7 +231,17 @@ class TorchPlatform(Platform):
         params: Sequence[Any],
         grad_args: Sequence[bool],
     ) -> ForwardRecord:
-        return stage_forward(fn, args, kwargs, params, grad_args)
+        record = stage_forward(fn, args, kwargs, params, grad_args)
+        if self._saved is not None:
+            self._saved.after_forward(record)
+        return record
+
+    def stage_forward_no_grad(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    def grad_enabled(self) -> bool:
+        return bool(torch.is_grad_enabled())
 
     def stage_backward(self, record: ForwardRecord, grads: Sequence[Any]) -> tuple[Any, ...]:
         return stage_backward(record, grads)
@@ -182,6 +260,17 @@ class TorchPlatform(Platform):
         return param.grad
 
     def set_grad(self, param: Any, grad: Any | None) -> None:
+        if grad is not None and grad.shape != param.shape and type(param) is torch.nn.Parameter:
+            # A parameter sharded by hyper_parallel's own FSDP whose whole value is gathered right now (a failed
+            # run puts its sharded gradient back before the shards are): torch checks a gradient against the
+            # data's shape, so attach it while the parameter briefly holds data of the gradient's shape.
+            whole = param.data
+            param.data = torch.empty(grad.shape, dtype=param.dtype, device=param.device)
+            try:
+                param.grad = grad
+            finally:
+                param.data = whole
+            return
         param.grad = grad
 
     def scale_grads(self, params: Sequence[Any], factor: float) -> None:
@@ -223,6 +312,97 @@ class TorchPlatform(Platform):
     def new_event(self) -> Any:
         accel = self._accel()
         return HostEvent() if accel is None else accel.Event()
+
+    # ------------------------------------------------------------------ saved activations
+    def saved_tensors(self) -> Any:
+        if self._saved is None:
+            from hyper_parallel.platform.activations import SavedTensorSupport
+            from hyper_parallel.platform.torch.activations import TorchSavedOps
+
+            self._saved = SavedTensorSupport(TorchSavedOps(self))
+        return self._saved
+
+    # ------------------------------------------------------------------ data parallelism, sharding, checkpoints
+    def reshape(self, tensor: Any, shape: Sequence[int]) -> Any:
+        return tensor.reshape(tuple(shape))
+
+    def split(self, tensor: Any, sizes: Sequence[int], dim: int = 0) -> list[Any]:
+        return list(torch.split(tensor, list(sizes), dim=dim))
+
+    def set_param_storage(self, param: Any, value: Any) -> None:
+        param.data = value
+
+    def register_forward_pre_hook(self, module: Any, hook: Callable[[], None]) -> Any:
+        return module.register_forward_pre_hook(lambda _module, _args: hook())
+
+    def local_tensor(self, tensor: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    def native_shard_count(self, tensor: Any) -> int:
+        from torch.distributed.tensor import DTensor, Shard
+
+        if not isinstance(tensor, DTensor):
+            return 1
+        count = 1
+        for size, placement in zip(tensor.device_mesh.shape, tensor.placements, strict=True):
+            if isinstance(placement, Shard):
+                count *= size
+        return count
+
+    def norm_pow_sum(self, tensors: Sequence[Any], norm_type: float) -> float:
+        from hyper_parallel.platform.base import combine_norm_pows
+
+        values = []
+        with torch.no_grad():
+            for t in tensors:
+                local = self.local_tensor(t).detach()
+                if local.numel() == 0:
+                    continue
+                if norm_type == float("inf"):
+                    values.append(float(local.abs().max()))
+                else:
+                    values.append(float(local.to(torch.float64).abs().pow(norm_type).sum()))
+        return combine_norm_pows(values, norm_type)
+
+    def native_fsdp(self) -> Any | None:
+        from hyper_parallel.platform.torch.comm import TorchCommunicator
+
+        if not isinstance(self.comm, TorchCommunicator):
+            return None  # a LocalCluster has no process groups for torch's FSDP
+        from hyper_parallel.platform.torch import fsdp
+
+        reason = fsdp.available()
+        if reason is not None:
+            raise RuntimeError(f"the pipeline cannot drive torch's FSDP here: {reason}")
+        return fsdp.TorchFSDP()
+
+    def save_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any], extra: Any) -> None:
+        from hyper_parallel.platform.torch import checkpoint
+
+        checkpoint.save(self, path, params, optimizers, extra)
+
+    def load_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any]) -> Any:
+        from hyper_parallel.platform.torch import checkpoint
+
+        return checkpoint.load(self, path, params, optimizers)
+
+    # ------------------------------------------------------------------ random state
+    def get_rng_state(self) -> tuple[Any, Any]:
+        """The CPU default generator's state, and the accelerator's generators once it is initialised."""
+        accel = self._accel()
+        device_states = None
+        if accel is not None and getattr(accel, "is_initialized", lambda: False)():
+            device_states = accel.get_rng_state_all()
+        return torch.get_rng_state(), device_states
+
+    def set_rng_state(self, state: tuple[Any, Any]) -> None:
+        cpu_state, device_states = state
+        torch.set_rng_state(cpu_state)
+        accel = self._accel()
+        if device_states is not None and accel is not None:
+            accel.set_rng_state_all(device_states)
 
     # ------------------------------------------------------------------ host offload
     def to_host(self, tensor: Any, non_blocking: bool = False) -> Any:
