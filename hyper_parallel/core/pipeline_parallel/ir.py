@@ -1,4 +1,4 @@
-"""Schedule IR: `MetaStep`, its text form, CSV files and the data flow of each step.
+"""Schedule IR: `MetaStep`, its text form and the data flow of each step.
 
 Text form of one step (``str(step)`` / ``MetaStep.from_str``)::
 
@@ -6,28 +6,29 @@ Text form of one step (``str(step)`` / ``MetaStep.from_str``)::
 
 where every part after ``CODE`` is optional: ``F.s0.m1`` (forward, stage 0, micro 1),
 ``RECV_B.s2.m3``, ``FSDP_UNSHARD.s0`` (no micro), ``BATCH[SEND_F.s0.m1+RECV_B.s0.m0]``,
-``OVERLAP_B_F[B.s1.m0+F.s1.m2]``. ``CODE[]`` is a composite with no sub-steps. The text
+``OVERLAP_B_F[B.s1.m0+F.s1.m2]``, ``SEND_META.s0.m0`` (the shapes of a forward output, sent
+ahead of it). ``CODE[]`` is a composite with no sub-steps. The text
 never contains a comma or whitespace, so it fits in a CSV cell as is.
 
-A schedule is ``dict[rank, list[MetaStep | None]]`` (``None`` = idle slot); its CSV form
-has one row per rank, in rank order, one step text per cell, empty cell = idle.
+A schedule is ``dict[rank, list[MetaStep | None]]`` (``None`` = idle slot); `schedule_csv`
+reads and writes it as CSV.
 """
 
 from __future__ import annotations
 
-import csv
 import enum
-import io
-import os
 import re
 from dataclasses import dataclass
+
+from .placement import is_int
 from typing import Union
 
 Schedule = dict[int, list[Union["MetaStep", None]]]
 DataKey = tuple[str, int, int]
 """A value flowing between stages: ``("F", s, i)`` is the forward output of stage ``s``
 for micro-batch ``i``; ``("G", s, i)`` is the gradient of the input of stage ``s``;
-``("W", s, i)`` marks that stage ``s`` finished its weight gradient for micro-batch ``i``."""
+``("W", s, i)`` marks that stage ``s`` finished its weight gradient for micro-batch ``i``;
+``("M", s, i)`` is the metadata (shapes, dtypes) of ``("F", s, i)``, sent ahead of it."""
 
 
 class MetaStepType(enum.Enum):
@@ -41,6 +42,8 @@ class MetaStepType(enum.Enum):
     FWD_RECV = "RECV_F"
     BWD_SEND = "SEND_B"
     BWD_RECV = "RECV_B"
+    META_SEND = "SEND_META"
+    META_RECV = "RECV_META"
     BATCH_SEND_RECV = "BATCH"
     OVERLAP_B_F = "OVERLAP_B_F"
     OVERLAP_F_B = "OVERLAP_F_B"
@@ -51,6 +54,14 @@ class MetaStepType(enum.Enum):
     SWAP_WAIT_OFFLOAD = "SWAP_WAIT_OFFLOAD"
     SWAP_LAUNCH_LOAD = "SWAP_LAUNCH_LOAD"
     SWAP_WAIT_LOAD = "SWAP_WAIT_LOAD"
+    # MPipe transpose (mpipe.py): the preprocess of micro-batch m on the rank that owns it, the
+    # stage-0 inputs it makes travelling to stage 0's rank, their gradient travelling back
+    PRE_FWD = "PF"
+    PRE_BWD = "PB"
+    PRE_SEND = "SEND_P"
+    PRE_RECV = "RECV_P"
+    PRE_GRAD_SEND = "SEND_PG"
+    PRE_GRAD_RECV = "RECV_PG"
 
     @property
     def code(self) -> str:
@@ -74,23 +85,35 @@ class MetaStepType(enum.Enum):
 
     @property
     def is_send(self) -> bool:
-        """True for FWD_SEND and BWD_SEND."""
-        return self in (MetaStepType.FWD_SEND, MetaStepType.BWD_SEND)
+        """True for FWD_SEND, BWD_SEND and META_SEND."""
+        return self in (MetaStepType.FWD_SEND, MetaStepType.BWD_SEND, MetaStepType.META_SEND)
 
     @property
     def is_recv(self) -> bool:
-        """True for FWD_RECV and BWD_RECV."""
-        return self in (MetaStepType.FWD_RECV, MetaStepType.BWD_RECV)
+        """True for FWD_RECV, BWD_RECV and META_RECV."""
+        return self in (MetaStepType.FWD_RECV, MetaStepType.BWD_RECV, MetaStepType.META_RECV)
+
+    @property
+    def is_meta(self) -> bool:
+        """True for META_SEND and META_RECV (the shapes of a forward output, sent ahead of it)."""
+        return self in (MetaStepType.META_SEND, MetaStepType.META_RECV)
+
+    @property
+    def towards_next(self) -> bool:
+        """Whether a send/recv step talks to the next stage (else to the previous one)."""
+        return self in (MetaStepType.FWD_SEND, MetaStepType.META_SEND, MetaStepType.BWD_RECV)
 
 
 _T = MetaStepType
 _COMPUTE = frozenset({_T.FWD, _T.BWD, _T.BWD_INPUT, _T.BWD_WEIGHT, _T.OVERLAP_B_F, _T.OVERLAP_F_B})
-_COMM = frozenset({_T.FWD_SEND, _T.FWD_RECV, _T.BWD_SEND, _T.BWD_RECV, _T.BATCH_SEND_RECV})
+_COMM = frozenset({
+    _T.FWD_SEND, _T.FWD_RECV, _T.BWD_SEND, _T.BWD_RECV, _T.META_SEND, _T.META_RECV, _T.BATCH_SEND_RECV,
+})
 _BY_CODE = {t.code: t for t in MetaStepType}
 
 
 def _check_index(name: str, value: object) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+    if value is not None and not is_int(value):
         raise TypeError(f"MetaStep.{name} must be an int or None, got {value!r}")
 
 
@@ -202,60 +225,6 @@ def _parse_subs(text: str, pos: int) -> tuple[list[MetaStep], int]:
             raise _ParseError(f"expected '+' or ']' at position {pos}")
 
 
-# --- CSV -------------------------------------------------------------------------------------
-
-_TORCH_CELL_RE = re.compile(r"(\d+)(F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
-
-
-def parse_cell(text: str) -> MetaStep | None:
-    """Parse one CSV cell: our text form, torch.distributed.pipelining's ``<stage><F|B|I|W>
-    <micro>`` (also ``<stage>SEND_F<micro>`` and the other three P2P codes, same meaning),
-    or an empty cell (None)."""
-    cell = text.strip()
-    if not cell:
-        return None
-    torch_cell = _TORCH_CELL_RE.fullmatch(cell)
-    if torch_cell is not None:
-        stage, code, micro = torch_cell.groups()
-        return MetaStep(int(micro), _BY_CODE[code], int(stage))
-    return MetaStep.from_str(cell)
-
-
-def format_schedule_csv(schedule: Schedule) -> str:
-    """CSV text with one row per rank (ranks must be 0..n-1), empty cell = idle."""
-    ranks = sorted(schedule)
-    if ranks != list(range(len(ranks))):
-        raise ValueError(f"schedule ranks must be 0..n-1 to be written as CSV, got {ranks}")
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    for rank in ranks:
-        writer.writerow(["" if step is None else str(step) for step in schedule[rank]])
-    return out.getvalue()
-
-
-def parse_schedule_csv(text: str) -> Schedule:
-    """Inverse of `format_schedule_csv`; row k is rank k. Also reads torch-style cells."""
-    schedule: Schedule = {}
-    for rank, row in enumerate(csv.reader(io.StringIO(text))):
-        try:
-            schedule[rank] = [parse_cell(cell) for cell in row]
-        except ValueError as exc:
-            raise ValueError(f"row {rank} of the schedule CSV: {exc}") from None
-    return schedule
-
-
-def save_schedule_csv(path: str | os.PathLike[str], schedule: Schedule) -> None:
-    """Write `format_schedule_csv(schedule)` to ``path``."""
-    with open(path, "w", encoding="utf-8", newline="") as handle:
-        handle.write(format_schedule_csv(schedule))
-
-
-def load_schedule_csv(path: str | os.PathLike[str]) -> Schedule:
-    """Read a schedule written by `save_schedule_csv` (or by torch's CSV dump)."""
-    with open(path, encoding="utf-8", newline="") as handle:
-        return parse_schedule_csv(handle.read())
-
-
 # --- data flow -------------------------------------------------------------------------------
 
 
@@ -296,23 +265,28 @@ def message_key(op: MetaStep) -> DataKey | None:
     """The value a send/recv step carries (None for other steps or missing indices).
 
     FWD_SEND(s, i) and FWD_RECV(s + 1, i) both carry ``("F", s, i)``;
+    META_SEND(s, i) and META_RECV(s + 1, i) both carry ``("M", s, i)``;
     BWD_SEND(s, i) and BWD_RECV(s - 1, i) both carry ``("G", s, i)``.
     """
-    stage, micro, kind = op.stage_index, op.micro_index, op.meta_type
-    if stage is None or micro is None:
+    stage, micro = op.stage_index, op.micro_index
+    entry = _MESSAGES.get(op.meta_type)
+    if stage is None or micro is None or entry is None:
         return None
-    if kind is MetaStepType.FWD_SEND:
-        return ("F", stage, micro)
-    if kind is MetaStepType.FWD_RECV:
-        return ("F", stage - 1, micro)
-    if kind is MetaStepType.BWD_SEND:
-        return ("G", stage, micro)
-    if kind is MetaStepType.BWD_RECV:
-        return ("G", stage + 1, micro)
-    return None
+    kind, shift = entry
+    return (kind, stage + shift, micro)
+
+
+_MESSAGES = {
+    _T.FWD_SEND: ("F", 0),
+    _T.FWD_RECV: ("F", -1),
+    _T.META_SEND: ("M", 0),
+    _T.META_RECV: ("M", -1),
+    _T.BWD_SEND: ("G", 0),
+    _T.BWD_RECV: ("G", 1),
+}
 
 
 def consumer_stage(key: DataKey) -> int:
-    """Stage that consumes a forward output / input gradient carried between stages."""
+    """Stage that consumes a forward output (or its metadata) / input gradient carried between stages."""
     kind, stage, _ = key
-    return stage + 1 if kind == "F" else stage - 1
+    return stage - 1 if kind == "G" else stage + 1

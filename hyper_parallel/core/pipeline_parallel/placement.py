@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 
+def is_int(value: object) -> bool:
+    """An int that is not a bool (``True`` is an int to Python, never a count or an index here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object) -> int:
+    """Return ``value`` if it is an int (not a bool), else raise TypeError naming it."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 def check_count(name: str, value: object, minimum: int) -> int:
     """Return ``value`` if it is an int (not a bool) >= ``minimum``, else raise ValueError."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    if not is_int(value) or value < minimum:  # type: ignore[operator]
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 

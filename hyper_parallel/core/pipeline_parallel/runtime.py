@@ -1,16 +1,19 @@
-"""Executes one rank's lowered step list for one training step.
+"""Executes one rank's lowered step list for one training step (or one forward-only pass).
 
 The runtime is the only place where pipeline steps touch tensors, always through the
-platform. Conventions of the IR (see ``lowering.py``): ``FWD_SEND(s, i)`` sends stage s's
-output of micro-batch i to stage s+1, ``FWD_RECV(s, i)`` receives stage s's input,
-``BWD_SEND(s, i)`` sends stage s's input gradient to stage s-1 and ``BWD_RECV(s, i)``
-receives the gradient of stage s's output. Neighbouring stages on the same rank hand
-tensors over directly.
+platform. Conventions of the IR are those of ``lowering.py``: ``FWD_SEND(s, i)`` sends stage
+s's output of micro-batch i to stage s+1, ``FWD_RECV(s, i)`` receives stage s's input,
+``SEND_META`` / ``RECV_META`` carry the shapes of a forward output ahead of it on the
+metadata channel, ``BWD_SEND(s, i)`` sends stage s's input gradient to stage s-1 and
+``BWD_RECV(s, i)`` receives the gradient of stage s's output. Neighbouring stages on the same
+rank hand tensors over directly.
 
-Receives are posted at their slot. Without ``overlap_p2p`` they are waited there; with it
-the compute that consumes them waits. Sends never block a slot: they are completed at the
-end of the step, and an output's storage is released as soon as its send has completed
-(only its autograd link is kept until its backward).
+A receive is posted at its slot and waited by the compute that consumes it; a metadata
+receive is waited at once (the data receive behind it needs the shapes). Sends never block a
+slot: they complete by the end of the step, and an output's storage is released as soon as
+its send has completed (only its autograd link is kept until its backward), unless the stage
+was built with ``free_sent_outputs=False``. A wait still blocked after
+``HYPER_PARALLEL_WAIT_LOG_INTERVAL`` seconds is logged with the step and the peer.
 """
 
 from __future__ import annotations
@@ -19,13 +22,37 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hyper_parallel.core.pipeline_parallel import dtensor_boundary
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.meta import META_LEN, TensorMeta, decode_meta, describe, encode_meta
+from hyper_parallel.core.pipeline_parallel.lowering import peer_rank
+from hyper_parallel.core.pipeline_parallel.meta import TensorMeta, decode_meta, describe, encode_meta
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
-from hyper_parallel.platform.base import Handle, P2POp, Platform
+from hyper_parallel.core.pipeline_parallel.wait_watch import watched
+from hyper_parallel.platform.base import Handle, P2POp, Platform, WaitAborted
 
 Key = tuple[int, int]  # (stage index, micro-batch index)
 CustomFunction = Callable[[MetaStep, "StepContext"], None]
+_T = MetaStepType
+P2P_TYPES = frozenset({_T.FWD_SEND, _T.FWD_RECV, _T.BWD_SEND, _T.BWD_RECV})
+
+
+class StageError(RuntimeError):
+    """A stage's forward, loss or backward raised; the original exception is the ``__cause__``."""
+
+    def __init__(self, rank: int, step: MetaStep, error: BaseException) -> None:
+        what = {_T.FWD: "forward", _T.BWD: "backward", _T.BWD_INPUT: "input backward",
+                _T.BWD_WEIGHT: "weight backward"}.get(step.meta_type, step.meta_type.name)
+        super().__init__(
+            f"rank {rank}: the {what} of stage {step.stage_index} on micro-batch {step.micro_index} ({step}) "
+            f"failed: {type(error).__name__}: {error}"
+        )
+        self.rank = rank
+        self.step = step
+        self.error = error
+
+
+class PeerError(RuntimeError):
+    """A wait on another rank failed: that rank stopped, failed or closed the connection."""
 
 
 @dataclass
@@ -61,34 +88,49 @@ class StepContext:
 
 
 class PipelineRuntime:
-    """State of one rank during one ``schedule.run``."""
+    """State of one rank during one ``schedule.run`` / ``schedule.eval``."""
 
     def __init__(
         self,
         platform: Platform,
         stages: dict[int, PipelineStage],
-        stage_to_global_rank: dict[int, int],
+        stage_to_rank: dict[int, int],
         micro_args: list[tuple[Any, ...]],
         micro_kwargs: list[dict[str, Any]],
         targets: list[Any],
         loss_fn: Callable[[Any, Any], Any] | None,
-        overlap_p2p: bool,
+        *,
         batch_p2p: bool,
         keep_outputs: bool,
+        loss_scale: float = 1.0,
+        forward_only: bool = False,
+        tracer: Any = None,
+        group: Any = None,
+        tag: int = 0,
+        extra_handlers: dict[MetaStepType, Callable[[PipelineRuntime, MetaStep], None]] | None = None,
     ) -> None:
         self.p = platform
         self.rank = platform.rank
         self.stages = stages
-        self.stage_rank = stage_to_global_rank
+        self.stage_rank = stage_to_rank
         self.micro_args, self.micro_kwargs, self.targets = micro_args, micro_kwargs, targets
         self.loss_fn = loss_fn
-        self.overlap_p2p = overlap_p2p
         self.batch_p2p = batch_p2p
         self.keep_outputs = keep_outputs
+        self.loss_scale = loss_scale
+        self.forward_only = forward_only
+        self.tracer = tracer
+        self.group = group  # the pipeline group: point-to-point goes through its communicator
+        self.tag = tag  # this run's messages only match this run's receives (where the engine has tags)
+        self.params = {s: stage.params for s, stage in stages.items()}  # read once per run
+        # static shapes: what the first micro-batch of this run agreed across each stage boundary
+        self.shapes_in: dict[int, list[TensorMeta]] = {}
+        self.shapes_out: dict[int, list[TensorMeta]] = {}
         self.records: dict[Key, Any] = {}
         self.outputs: dict[Key, tuple[Any, ...]] = {}  # forward outputs waiting to be sent / handed over
         self.out_meta: dict[Key, list[TensorMeta]] = {}
         self.in_meta: dict[Key, list[TensorMeta]] = {}
+        self.arrived_meta: dict[Key, list[TensorMeta]] = {}
         self.in_grads: dict[Key, tuple[Any, ...]] = {}  # input gradients waiting to be sent / handed over
         self.recvs: dict[tuple[str, int, int], _PendingRecv] = {}
         self.sends: list[_PendingSend] = []
@@ -96,65 +138,94 @@ class PipelineRuntime:
         self.stage_outputs: dict[int, Any] = {}
         self.live_activations = 0
         self.peak_activations = 0
+        self._peers: dict[MetaStep, int] = {}
+        self._handlers: dict[MetaStepType, Callable[[MetaStep], None]] = {
+            _T.FWD: self._forward_step,
+            _T.BWD: self._backward_step,
+            _T.BWD_INPUT: self._backward_step,
+            _T.BWD_WEIGHT: self._weight_step,
+            _T.FWD_SEND: self._p2p_step,
+            _T.FWD_RECV: self._p2p_step,
+            _T.BWD_SEND: self._p2p_step,
+            _T.BWD_RECV: self._p2p_step,
+            _T.META_SEND: self._meta_send,
+            _T.META_RECV: self._meta_recv,
+            _T.BATCH_SEND_RECV: self._batch_step,
+            _T.OVERLAP_B_F: self._overlap_step,
+            _T.OVERLAP_F_B: self._overlap_step,
+        }
+        for kind, handler in (extra_handlers or {}).items():
+            self._handlers[kind] = lambda step, handler=handler: handler(self, step)
+        self.extras: dict[str, Any] = {}  # state of features that add steps (FSDP, swap, ...)
 
     # ------------------------------------------------------------------ driver
     def execute(self, steps: Sequence[MetaStep], custom: dict[MetaStepType, CustomFunction], ctx: StepContext) -> None:
+        tracer = self.tracer if self.tracer is not None and self.tracer.enabled else None
         for step in steps:
             fn = custom.get(step.meta_type)
+            start = tracer.now() if tracer is not None else 0.0
             if fn is not None:
                 fn(step, ctx)
             else:
                 self.run_step(step)
+            if tracer is not None:
+                tracer.record(step, "p2p-issue" if step.meta_type.is_comm else "compute", start, tracer.now())
             if self.sends:
                 self.release_completed_sends()
         for pending in self.sends:
-            pending.handle.wait()
+            self._wait(pending.handle, None, None)
         self.release_completed_sends()
         if self.recvs:
             raise RuntimeError(f"rank {self.rank}: receives never consumed: {[str(r.step) for r in self.recvs.values()]}")
 
     def run_step(self, step: MetaStep) -> None:
-        t = step.meta_type
-        if t is MetaStepType.FWD:
-            self.forward(step.stage_index, step.micro_index)
-        elif t is MetaStepType.BWD:
-            self.backward(step.stage_index, step.micro_index, full=True)
-        elif t is MetaStepType.BWD_INPUT:
-            self.backward(step.stage_index, step.micro_index, full=False)
-        elif t is MetaStepType.BWD_WEIGHT:
-            self.backward_weight(step.stage_index, step.micro_index)
-        elif t in (MetaStepType.FWD_SEND, MetaStepType.BWD_SEND, MetaStepType.FWD_RECV, MetaStepType.BWD_RECV):
-            self.communicate([step])
-        elif t is MetaStepType.BATCH_SEND_RECV:
-            self.communicate(list(step.sub_steps or ()))
-        elif t in (MetaStepType.OVERLAP_B_F, MetaStepType.OVERLAP_F_B):
-            for sub in step.sub_steps or ():
-                self.run_step(sub)
-        else:
+        handler = self._handlers.get(step.meta_type)
+        if handler is None:
             raise NotImplementedError(
                 f"rank {self.rank}: no runtime implementation for step {step}; "
                 "use schedule.register_custom_function to provide one"
             )
+        handler(step)
 
     # ------------------------------------------------------------------ compute
+    def _forward_step(self, step: MetaStep) -> None:
+        self.forward(step.stage_index, step.micro_index, step)
+
+    def _backward_step(self, step: MetaStep) -> None:
+        self.backward(step.stage_index, step.micro_index, full=step.meta_type is _T.BWD, step=step)
+
+    def _weight_step(self, step: MetaStep) -> None:
+        self.backward_weight(step.stage_index, step.micro_index, step)
+
+    def _overlap_step(self, step: MetaStep) -> None:
+        for sub in step.sub_steps or ():
+            self.run_step(sub)
+
     def _stage_fn(self, stage: PipelineStage, micro: int) -> Callable[..., Any]:
         module = stage.submodule
         if not stage.is_last:
             return module
         loss_fn = self.loss_fn
-        target = self.targets[micro] if loss_fn is not None else None
+        if loss_fn is None or (self.forward_only and not self.targets):
+            if self.forward_only:  # the outputs are what eval returns
+                return module
+
+            def own_loss(*a: Any, **k: Any) -> Any:
+                return (module(*a, **k),)  # the stage's output is the loss
+
+            own_loss.__wrapped__ = module  # type: ignore[attr-defined]
+            return own_loss
+        target = self.targets[micro]
 
         def with_loss(*a: Any, **k: Any) -> Any:
             out = module(*a, **k)
-            if loss_fn is None:  # the stage's output is the loss
-                return (out,)
             flat = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             return (loss_fn(out, target), *flat)
 
         with_loss.__wrapped__ = module  # type: ignore[attr-defined]  # lets backends see the module
         return with_loss
 
-    def forward(self, s: int, i: int) -> None:
+    def forward(self, s: int, i: int, step: MetaStep | None = None) -> None:
         stage = self.stages[s]
         if stage.is_first:
             args, kwargs = self.micro_args[i], self.micro_kwargs[i]
@@ -164,102 +235,137 @@ class PipelineRuntime:
             kwargs = {}
             grad_args = [m.requires_grad for m in metas]
             self.in_meta[(s, i)] = metas
-        record = self.p.stage_forward(self._stage_fn(stage, i), args, kwargs, stage.params, grad_args)
-        self.records[(s, i)] = record
-        self.live_activations += 1
-        self.peak_activations = max(self.peak_activations, self.live_activations)
-        outputs = record.outputs
+        fn = self._stage_fn(stage, i)
+        fn, out_layouts = dtensor_boundary.local_call(fn, stage, self.in_meta.get((s, i)), not stage.is_last)
+        try:
+            if self.forward_only:
+                result = self.p.stage_forward_no_grad(fn, args, kwargs)
+                outputs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+            else:
+                record = self.p.stage_forward(fn, args, kwargs, self.params[s], grad_args)
+                outputs = record.outputs
+        except Exception as exc:
+            raise StageError(self.rank, step or MetaStep(i, _T.FWD, s), exc) from exc
+        if not self.forward_only:
+            self.records[(s, i)] = record
+            self.live_activations += 1
+            self.peak_activations = max(self.peak_activations, self.live_activations)
         if stage.is_last:
-            loss = outputs[0]
-            if not self.p.is_tensor(loss) or self.p.numel(loss) != 1:
-                shape = self.p.shape(loss) if self.p.is_tensor(loss) else type(loss).__name__
-                raise ValueError(f"the loss of micro-batch {i} must be a scalar tensor, got {shape}")
-            self.losses[i] = self.p.detach(loss)
-            if self.keep_outputs:
-                rest = [self.p.detach(o) for o in outputs[1:]] if self.loss_fn is not None else [self.losses[i]]
-                self.stage_outputs[i] = rest[0] if len(rest) == 1 else tuple(rest)
+            self._last_stage_outputs(i, outputs)
             return
         for o in outputs:
             if not self.p.is_tensor(o):
-                raise TypeError(f"stage {s} must return tensors to pass to stage {s + 1}, got {type(o).__name__}")
-        self.out_meta[(s, i)] = [self._meta(o) for o in outputs]
+                raise TypeError(
+                    f"rank {self.rank}: stage {s} must return tensors to pass to stage {s + 1}, got "
+                    f"{type(o).__name__} (micro-batch {i})"
+                )
+        self.out_meta[(s, i)] = dtensor_boundary.with_layouts([self._meta(o) for o in outputs], out_layouts)
         self.outputs[(s, i)] = outputs
+
+    def _last_stage_outputs(self, i: int, outputs: tuple[Any, ...]) -> None:
+        has_loss = not self.forward_only or (self.loss_fn is not None and bool(self.targets))
+        if has_loss:
+            loss = outputs[0]
+            if not self.p.is_tensor(loss) or self.p.numel(loss) != 1:
+                shape = self.p.shape(loss) if self.p.is_tensor(loss) else type(loss).__name__
+                raise ValueError(f"rank {self.rank}: the loss of micro-batch {i} must be a scalar tensor, got {shape}")
+            self.losses[i] = self.p.detach(loss)
+        if self.keep_outputs:
+            rest = outputs[1:] if has_loss and self.loss_fn is not None else outputs
+            rest = [self.p.detach(o) if self.p.is_tensor(o) else o for o in rest]
+            self.stage_outputs[i] = rest[0] if len(rest) == 1 else tuple(rest)
 
     def _output_grads(self, s: int, i: int) -> list[Any]:
         stage = self.stages[s]
         record = self.records[(s, i)]
         if stage.is_last:
-            return [self.p.ones_like(record.outputs[0])] + [None] * (len(record.outputs) - 1)
+            seed = self.p.ones_like(record.outputs[0])
+            if self.loss_scale != 1.0:
+                seed = seed * self.loss_scale
+            return [seed] + [None] * (len(record.outputs) - 1)
         if (s + 1) in self.stages:  # handed over on this rank
             return list(self.in_grads.pop((s + 1, i)))
         received = iter(self._take_recv("B", s, i).buffers)
         return [next(received) if m.differentiable else None for m in self.out_meta[(s, i)]]
 
-    def backward(self, s: int, i: int, full: bool) -> None:
+    def backward(self, s: int, i: int, full: bool, step: MetaStep | None = None) -> None:
         grads = self._output_grads(s, i)
         self.out_meta.pop((s, i), None)
+        try:
+            if full:
+                input_grads = self.p.stage_backward(self.records.pop((s, i)), grads)
+            else:  # the record stays until its weight backward
+                input_grads = self.p.stage_backward_input(self.records[(s, i)], grads)
+        except Exception as exc:
+            raise StageError(self.rank, step or MetaStep(i, _T.BWD if full else _T.BWD_INPUT, s), exc) from exc
         if full:
-            input_grads = self.p.stage_backward(self.records.pop((s, i)), grads)
             self.live_activations -= 1
-        else:  # the record stays until its weight backward
-            input_grads = self.p.stage_backward_input(self.records[(s, i)], grads)
         if not self.stages[s].is_first:
             self.in_grads[(s, i)] = input_grads
 
-    def backward_weight(self, s: int, i: int) -> None:
-        self.p.stage_backward_weight(self.records.pop((s, i)))
+    def backward_weight(self, s: int, i: int, step: MetaStep | None = None) -> None:
+        try:
+            self.p.stage_backward_weight(self.records.pop((s, i)))
+        except Exception as exc:
+            raise StageError(self.rank, step or MetaStep(i, _T.BWD_WEIGHT, s), exc) from exc
         self.live_activations -= 1
 
     def _meta(self, tensor: Any) -> TensorMeta:
-        differentiable = self.p.is_floating(tensor) and self.p.requires_grad(tensor)
+        differentiable = not self.forward_only and self.p.is_floating(tensor) and self.p.requires_grad(tensor)
         return TensorMeta(self.p.shape(tensor), self.p.dtype_name(tensor), differentiable)
 
     def _forward_inputs(self, s: int, i: int) -> tuple[tuple[Any, ...], list[TensorMeta]]:
         """Stage s's inputs of micro-batch i and their metadata (as agreed with the sender)."""
         if (s - 1) in self.stages:
             outputs = tuple(self.outputs.pop((s - 1, i)))
-            return outputs, [self._meta(o) for o in outputs]
+            return outputs, self.out_meta.get((s - 1, i)) or [self._meta(o) for o in outputs]
         recv = self._take_recv("F", s, i)
         return tuple(recv.buffers), list(recv.metas)
 
     # ------------------------------------------------------------------ communication
     def _peer(self, step: MetaStep) -> int:
-        s, t = step.stage_index, step.meta_type
-        return self.stage_rank[s + 1] if t in (MetaStepType.FWD_SEND, MetaStepType.BWD_RECV) else self.stage_rank[s - 1]
+        peer = self._peers.get(step)
+        if peer is None:
+            peer = self._peers[step] = peer_rank(step, self.stage_rank)
+        return peer
+
+    def _p2p_step(self, step: MetaStep) -> None:
+        self.communicate([step])
+
+    def _batch_step(self, step: MetaStep) -> None:
+        self.communicate(list(step.sub_steps or ()))
 
     def communicate(self, steps: Sequence[MetaStep]) -> None:
         """Issue the sends and post the receives of ``steps`` (one batched call with ``batch_p2p``)."""
         ops: list[P2POp] = []
         sends: list[tuple[int, Any, list[Any]]] = []  # (op index, tensor, tensors to release)
-        meta_recvs: list[tuple[MetaStep, Any]] = []
-        data_recvs: list[MetaStep] = []
+        recvs: list[tuple[MetaStep, int, list[Any], list[TensorMeta], int]] = []
         for step in steps:
             peer = self._peer(step)
-            if step.meta_type is MetaStepType.FWD_SEND:
+            kind = step.meta_type
+            if kind is _T.FWD_SEND:
                 for tensor, release in self._forward_send_tensors(step, peer):
                     sends.append((len(ops), tensor, release))
-                    ops.append(P2POp("isend", tensor, peer))
-            elif step.meta_type is MetaStepType.BWD_SEND:
+                    ops.append(P2POp("isend", tensor, peer, self.group, self.tag))
+            elif kind is _T.BWD_SEND:
                 for tensor in self._backward_send_tensors(step):
                     sends.append((len(ops), tensor, []))
-                    ops.append(P2POp("isend", tensor, peer))
-            elif step.meta_type is MetaStepType.FWD_RECV and self._needs_meta(self.stages[step.stage_index]):
-                buf = self.p.zeros((META_LEN + 1,), "int64")
-                meta_recvs.append((step, buf))
-                ops.append(P2POp("irecv", buf, peer))
-            elif step.meta_type in (MetaStepType.FWD_RECV, MetaStepType.BWD_RECV):
-                data_recvs.append(step)
+                    ops.append(P2POp("isend", tensor, peer, self.group, self.tag))
+            elif kind in (_T.FWD_RECV, _T.BWD_RECV):
+                metas = self._recv_metas(step)
+                buffers = [self.p.empty(m.shape, m.dtype, device=self.stages[step.stage_index].device) for m in metas]
+                recvs.append((step, peer, buffers, metas, len(ops)))
+                ops += [P2POp("irecv", b, peer, self.group, self.tag) for b in buffers]
             else:
-                raise ValueError(f"rank {self.rank}: {step} is not a send or receive")
+                raise ValueError(f"rank {self.rank}: {step} is not a data send or receive")
         handles = self._issue(ops)
         for op_index, tensor, release in sends:
             self.sends.append(_PendingSend(handles[op_index], tensor, release))
-        meta_handles = [h for h, op in zip(handles, ops, strict=True) if op.op == "irecv"]
-        for (step, buf), handle in zip(meta_recvs, meta_handles, strict=True):
-            self._wait(handle, step, self._peer(step))
-            self._accept_meta(step, buf)
-            data_recvs.append(step)
-        self._post_data_recvs(data_recvs)
+        for step, peer, buffers, metas, first in recvs:
+            key = ("F" if step.meta_type is _T.FWD_RECV else "B", step.stage_index, step.micro_index)
+            if key in self.recvs:
+                raise RuntimeError(f"rank {self.rank}: {step} posted twice")
+            self.recvs[key] = _PendingRecv(handles[first : first + len(buffers)], buffers, metas, peer, step)
 
     def _issue(self, ops: list[P2POp]) -> list[Handle]:
         if not ops:
@@ -267,36 +373,48 @@ class PipelineRuntime:
         if self.batch_p2p:
             return self.p.batch_isend_irecv(ops)
         return [
-            self.p.isend(op.tensor, op.peer) if op.op == "isend" else self.p.irecv(op.tensor, op.peer) for op in ops
+            self.p.isend(op.tensor, op.peer, op.group, op.tag) if op.op == "isend"
+            else self.p.irecv(op.tensor, op.peer, op.group, op.tag)
+            for op in ops
         ]
 
-    def _post_data_recvs(self, steps: list[MetaStep]) -> None:
-        ops: list[P2POp] = []
-        pending = []
-        for step in steps:
-            peer = self._peer(step)
-            metas = self._recv_metas(step)
-            buffers = [self.p.empty(m.shape, m.dtype) for m in metas]
-            pending.append((step, peer, buffers, metas, len(ops)))
-            ops += [P2POp("irecv", b, peer) for b in buffers]
-        handles = self._issue(ops)
-        for step, peer, buffers, metas, first in pending:
-            kind = "F" if step.meta_type is MetaStepType.FWD_RECV else "B"
-            key = (kind, step.stage_index, step.micro_index)
-            if key in self.recvs:
-                raise RuntimeError(f"rank {self.rank}: {step} posted twice")
-            recv = _PendingRecv(handles[first : first + len(buffers)], buffers, metas, peer, step)
-            self.recvs[key] = recv
-            if not self.overlap_p2p:
-                for h in recv.handles:
-                    self._wait(h, step, peer)
+    def _meta_send(self, step: MetaStep) -> None:
+        s, i = step.stage_index, step.micro_index
+        metas = self.out_meta[(s, i)]
+        if not self.stages[s].dyn_shape:
+            self.shapes_out[s] = metas
+        handle = self.p.isend_meta(encode_meta(metas), self._peer(step), tag=self.tag)
+        self.sends.append(_PendingSend(handle, None))
+
+    def _meta_recv(self, step: MetaStep) -> None:
+        peer = self._peer(step)
+        with watched(f"rank {self.rank}: {step} waiting for rank {peer}"):
+            try:
+                values = self.p.recv_meta(peer, tag=self.tag)
+            except TimeoutError as exc:
+                raise TimeoutError(f"rank {self.rank}: step {step} waiting on rank {peer} failed: {exc}") from exc
+            except WaitAborted:
+                raise
+            except RuntimeError as exc:
+                raise self._peer_error(step, peer, exc) from None
+        metas = decode_meta(values)
+        self.arrived_meta[(step.stage_index, step.micro_index)] = metas
+        if not self.stages[step.stage_index].dyn_shape:
+            self.shapes_in[step.stage_index] = metas
 
     def _recv_metas(self, step: MetaStep) -> list[TensorMeta]:
-        stage = self.stages[step.stage_index]
-        if step.meta_type is MetaStepType.FWD_RECV:
-            assert stage.input_meta is not None
-            return stage.input_meta
-        metas = self.out_meta.get((step.stage_index, step.micro_index))
+        s, i = step.stage_index, step.micro_index
+        if step.meta_type is _T.FWD_RECV:
+            metas = self.arrived_meta.pop((s, i), None)
+            if metas is None:
+                metas = self.shapes_in.get(s)
+            if metas is None:
+                raise RuntimeError(
+                    f"rank {self.rank}: stage {s} has no shapes for its input of micro-batch {i}: no RECV_META "
+                    "came before it in this run"
+                )
+            return metas
+        metas = self.out_meta.get((s, i))
         if metas is None:
             raise RuntimeError(f"rank {self.rank}: {step} is posted before the forward of that micro-batch ran")
         return [m for m in metas if m.differentiable]
@@ -307,61 +425,56 @@ class PipelineRuntime:
         if recv is None:
             what = "input" if kind == "F" else "output gradient"
             raise RuntimeError(f"rank {self.rank}: the {what} of stage {s} micro-batch {i} was never received")
+        tracer = self.tracer if self.tracer is not None and self.tracer.enabled else None
+        start = tracer.now() if tracer is not None else 0.0
         for h in recv.handles:
             self._wait(h, recv.step, recv.peer)
+        if tracer is not None:
+            tracer.record(recv.step, "p2p-wait", start, tracer.now())
         return recv
 
-    def _wait(self, handle: Handle, step: MetaStep, peer: int) -> None:
-        try:
-            handle.wait()
-        except TimeoutError as exc:
-            raise TimeoutError(f"rank {self.rank}: step {step} waiting on rank {peer} failed: {exc}") from exc
-        except RuntimeError as exc:  # e.g. the peer's process died and closed the connection
-            raise RuntimeError(f"rank {self.rank}: step {step} waiting on rank {peer} failed: {exc}") from exc
+    def _wait(self, handle: Handle, step: MetaStep | None, peer: int | None) -> None:
+        what = f"rank {self.rank}: {step} waiting for rank {peer}" if step else f"rank {self.rank}: its sends"
+        with watched(what):
+            try:
+                handle.wait()
+            except TimeoutError as exc:
+                raise TimeoutError(f"rank {self.rank}: step {step} waiting on rank {peer} failed: {exc}") from exc
+            except WaitAborted:
+                raise
+            except RuntimeError as exc:  # e.g. the peer's process died and closed the connection
+                raise self._peer_error(step, peer, exc) from None
 
-    def _needs_meta(self, stage: PipelineStage) -> bool:
-        return stage.dyn_shape or stage.input_meta is None
+    def _peer_error(self, step: MetaStep | None, peer: int | None, exc: BaseException) -> PeerError:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        who = f"rank {peer}" if peer is not None else "a peer"
+        return PeerError(f"rank {self.rank}: {who} failed or stopped while step {step} waited for it ({first_line})")
 
     def _forward_send_tensors(self, step: MetaStep, peer: int) -> list[tuple[Any, list[Any]]]:
         s, i = step.stage_index, step.micro_index
         stage = self.stages[s]
         outputs = self.outputs.pop((s, i))
         metas = self.out_meta[(s, i)]
-        out: list[tuple[Any, list[Any]]] = []
-        if stage.dyn_shape or stage.output_meta is None:
-            stage.output_meta = None if stage.dyn_shape else metas
-            out.append((self.p.tensor([int(stage.dyn_shape), *encode_meta(metas)], "int64"), []))
-        elif metas != stage.output_meta:
+        agreed = self.shapes_out.get(s)
+        if not stage.dyn_shape and agreed is not None and metas != agreed:
             raise ValueError(
                 f"stage {s} on rank {self.rank} produced {describe(metas)} for micro-batch {i}, but the shapes "
-                f"agreed with stage {s + 1} on rank {peer} are {describe(stage.output_meta)}; "
-                "build the stages with dyn_shape=True for shapes that vary"
+                f"agreed with stage {s + 1} on rank {peer} for the first micro-batch of this run are "
+                f"{describe(agreed)}; build the stages with dyn_shape=True for shapes that vary"
             )
+        if self.forward_only or not stage.free_sent_outputs:
+            return [(o, []) for o in outputs]
         record = self.records[(s, i)]
-        for o in outputs:
-            out.append((o, [o] if self.p.releasable(record, o) else []))
-        return out
+        return [(o, [o] if self.p.releasable(record, o) else []) for o in outputs]
 
     def _backward_send_tensors(self, step: MetaStep) -> list[Any]:
         key = (step.stage_index, step.micro_index)
         grads, metas = self.in_grads.pop(key), self.in_meta.pop(key)
         return [
-            g if g is not None else self.p.zeros(m.shape, m.dtype)
+            g if g is not None else self.p.zeros(m.shape, m.dtype, device=self.stages[step.stage_index].device)
             for g, m in zip(grads, metas, strict=True)
             if m.differentiable
         ]
-
-    def _accept_meta(self, step: MetaStep, buf: Any) -> None:
-        s = step.stage_index
-        stage = self.stages[s]
-        values = [int(v) for v in self.p.to_numpy(buf).tolist()]
-        sender_dyn, metas = bool(values[0]), decode_meta(values[1:])
-        if sender_dyn != stage.dyn_shape:
-            raise ValueError(
-                f"stage {s - 1} on rank {self._peer(step)} has dyn_shape={sender_dyn} but stage {s} on rank "
-                f"{self.rank} has dyn_shape={stage.dyn_shape}; neighbouring stages must agree"
-            )
-        stage.input_meta = metas
 
     def release_completed_sends(self) -> None:
         """Release the storage of sent outputs whose sends have completed."""

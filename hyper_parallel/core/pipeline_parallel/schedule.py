@@ -1,40 +1,80 @@
 """Schedule classes: one generator each, one shared runtime.
 
 A schedule class checks its arguments locally, places the stages, generates the compute
-lists of every pipeline rank, lowers and validates them, and on ``run`` splits the batch
-and hands this rank's lowered list to :class:`PipelineRuntime`.
+lists of every pipeline rank, lowers and validates them, and checks that every pipeline rank
+built the same schedule. ``run`` splits the batch, executes this rank's lowered list and sums
+tied gradients; ``eval`` runs the forwards only; ``step`` is torch.distributed.pipelining's
+entry point on top of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hyper_parallel.core.pipeline_parallel import shared_params
+from hyper_parallel.core.pipeline_parallel.agreement import gather_and_check
+from hyper_parallel.core.pipeline_parallel.grad_state import RunGradients
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import lower
+from hyper_parallel.core.pipeline_parallel.lowering import TRANSPORTS, lower
 from hyper_parallel.core.pipeline_parallel.microbatch import merge_outputs, split_inputs, split_target
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement, v_placement
-from hyper_parallel.core.pipeline_parallel.runtime import CustomFunction, PipelineRuntime, StepContext
+from hyper_parallel.core.pipeline_parallel.placement import check_count, is_int, looped_placement, v_placement
+from hyper_parallel.core.pipeline_parallel.runtime import P2P_TYPES, CustomFunction, PipelineRuntime, StepContext
 from hyper_parallel.core.pipeline_parallel.schedules import (
     generate_1f1b,
     generate_gpipe,
     generate_interleaved_1f1b,
     generate_looped_bfs,
 )
+from hyper_parallel.core.pipeline_parallel.schedules.overlap_pairs import fuse_overlap_pairs
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
-from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
+from hyper_parallel.core.pipeline_parallel.tracing import StepTracer
+from hyper_parallel.core.pipeline_parallel.validate import ScheduleError, validate_lowered
 
-P2P_TRANSPORTS = ("auto", "plain", "batch")
+P2P_TRANSPORTS = ("auto", *TRANSPORTS)
 Schedule = dict[int, list[MetaStep | None]]
+Lowered = dict[int, list[MetaStep]]
+LoweringPass = Callable[[Lowered, "PipelineSchedule", bool], Lowered]
+"""(lowered lists of every pipeline rank, the schedule, forward_only) -> new lists: a feature's
+steps (FSDP, swap, ...) inserted after the point-to-point ones; validation runs on the result."""
+StepHandler = Callable[[PipelineRuntime, MetaStep], None]
+_T = MetaStepType
+_SERIALS = itertools.count()  # schedules built in this process
+_RUNS_PER_TAG_BLOCK = 1 << 20
+
+
+class RunHook:
+    """A feature's part in every run (all methods optional no-ops): ``before_run`` when the run's
+    gradients were set up, ``after_run`` once every step ran (inside the part a failure undoes),
+    ``on_failure`` when the run raised."""
+
+    def before_run(self, schedule: PipelineSchedule, runtime: PipelineRuntime) -> None:
+        return None
+
+    def after_run(self, schedule: PipelineSchedule, runtime: PipelineRuntime) -> None:
+        return None
+
+    def on_failure(self, schedule: PipelineSchedule) -> None:
+        return None
 
 
 class PipelineSchedule:
-    """Base of every schedule; subclasses set ``placement`` and implement ``generate``.
+    """Base of every schedule; subclasses set ``placement`` and implement ``_generate``.
+
+    ``n_microbatches`` is accepted as another name of ``micro_batch_num`` (torch pipelining's).
 
     ``placement`` is ``"single"`` (stage r on pipeline rank r), ``"looped"`` (stage c*p+r on
     rank r) or ``"v"`` (stages r and 2p-1-r on rank r).
+
+    ``comm_compute_overlap`` (a ``CommComputeOverlap`` wrapping the model's MoE layers) runs the
+    schedule's ``OVERLAP_B_F`` / ``OVERLAP_F_B`` steps on it, so that one side's all-to-all is in
+    flight while the other side computes (``overlap_step.py``); without it their two sub-steps
+    run one after the other.
     """
+
+    overlap_b_f = False  # whether the steady state's (backward, forward) pairs are fused (see subclasses)
 
     placement = "single"
     min_chunks, max_chunks = 1, 1
@@ -42,7 +82,7 @@ class PipelineSchedule:
     def __init__(
         self,
         stages: PipelineStage | Sequence[PipelineStage],
-        micro_batch_num: int,
+        micro_batch_num: int | None = None,
         loss_fn: Callable[[Any, Any], Any] | None = None,
         args_batch_dim: Any = None,
         kwargs_batch_dim: Any = None,
@@ -51,9 +91,19 @@ class PipelineSchedule:
         overlap_p2p: bool = False,
         p2p_transport: str = "auto",
         swap: bool = False,
+        swap_threshold: int = 4,
+        keep_grads_on_error: bool = True,
+        n_microbatches: int | None = None,
+        comm_compute_overlap: Any = None,
     ) -> None:
+        if micro_batch_num is None:
+            if n_microbatches is None:
+                raise TypeError(f"{type(self).__name__} needs micro_batch_num (or n_microbatches)")
+            micro_batch_num = n_microbatches
+        elif n_microbatches is not None and n_microbatches != micro_batch_num:
+            raise ValueError(f"micro_batch_num={micro_batch_num} and n_microbatches={n_microbatches} disagree")
         self.stages = self._check_stages(stages)
-        if isinstance(micro_batch_num, bool) or not isinstance(micro_batch_num, int):
+        if not is_int(micro_batch_num):
             raise TypeError(f"micro_batch_num must be an int, got {micro_batch_num!r}")
         if micro_batch_num < 1:
             raise ValueError(f"micro_batch_num must be >= 1, got {micro_batch_num}")
@@ -61,12 +111,16 @@ class PipelineSchedule:
             raise ValueError(f"unknown p2p_transport {p2p_transport!r}; valid: {', '.join(P2P_TRANSPORTS)}")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {loss_fn!r}")
+        if output_concat_dim is not None and (not is_int(output_concat_dim) or output_concat_dim < 0):
+            raise ValueError(f"output_concat_dim must be a non-negative int or None, got {output_concat_dim!r}")
         if output_concat_dim is not None and loss_fn is None:
             raise ValueError(
-                "output_concat_dim needs a loss_fn: without one the last stage's output is the loss itself"
+                "output_concat_dim needs a loss_fn: without one the last stage's output is the loss itself "
+                "(eval() and step() without a loss_fn merge outputs along dim 0)"
             )
-        if swap:
-            raise NotImplementedError("activation swap (swap=True) is not available in this version")
+        dyn = {st.dyn_shape for st in self.stages}
+        if len(dyn) > 1:
+            raise ValueError("the stages of one rank must agree on dyn_shape, got both True and False")
         self.micro_batch_num = micro_batch_num
         self.loss_fn = loss_fn
         self.args_batch_dim = args_batch_dim
@@ -74,6 +128,8 @@ class PipelineSchedule:
         self.output_concat_dim = output_concat_dim
         self.scale_grads = bool(scale_grads)
         self.overlap_p2p = bool(overlap_p2p)
+        self.keep_grads_on_error = bool(keep_grads_on_error)
+        self.dyn_shape = dyn.pop()
         first = self.stages[0]
         self.platform = first.platform
         self.group = first.group
@@ -85,22 +141,62 @@ class PipelineSchedule:
         self.stage_to_pp_rank = self._place()
         self._by_index = {st.stage_index: st for st in self.stages}
         self.stage_to_rank = {s: self.group.ranks[r] for s, r in self.stage_to_pp_rank.items()}
-        self.compute_schedule: Schedule = self.generate(self.num_ranks, len(self.stages), micro_batch_num)
-        lowered = lower(self.compute_schedule, self.stage_to_pp_rank, self.p2p_transport)
-        validate_lowered(lowered, self.stage_to_pp_rank, micro_batch_num)
-        self._lowered = lowered
+        self.compute_schedule: Schedule = self._compute_schedule()
+        self._lowered_cache: dict[tuple[str, bool], dict[int, list[MetaStep]]] = {}
         self._custom: dict[MetaStepType, CustomFunction] = {}
+        self._passes: list[LoweringPass] = []
+        self._step_handlers: dict[MetaStepType, StepHandler] = {}
+        self._run_hooks: list[RunHook] = []
+        self._host_grads: dict[int, tuple[Any, Any]] = {}  # gradient copies a failed run restores, reused
+        self._runs = 0
+        if swap:  # schedule-driven activation swap (core/pipeline_parallel/swap.py)
+            from hyper_parallel.core.pipeline_parallel.swap import enable_swap
+
+            enable_swap(self, swap_threshold)
+        self.comm_compute_overlap = None
+        if comm_compute_overlap is not None:  # the built-in OVERLAP_B_F handler
+            from hyper_parallel.core.pipeline_parallel.overlap_step import enable_comm_compute_overlap
+
+            enable_comm_compute_overlap(self, comm_compute_overlap)
         self.outputs: Any = None
         self.peak_activations = 0
+        self.tracer = StepTracer(enabled=os.environ.get("HYPER_PARALLEL_TRACE", "") not in ("", "0"))
+        self._lowered(self._training_metadata())  # fail before any communication if it cannot run
         self._holders = self._agree_across_ranks()
+        self.platform.open_meta_channel(self.group.ranks)
         if self._holders:
             shared_params.sync_values(self.platform, self._by_index, self._holders)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
-        """The compute-only step lists of every pipeline rank."""
+        """The compute-only step lists of every pipeline rank (arguments checked first)."""
+        check_count("num_ranks", num_ranks, 1)
+        check_count("num_chunks", num_chunks, 1)
+        if not cls.min_chunks <= num_chunks <= cls.max_chunks:
+            raise ValueError(
+                f"{cls.__name__} runs between {cls.min_chunks} and {cls.max_chunks} stages per rank, got "
+                f"num_chunks={num_chunks}"
+            )
+        minimum = cls.min_microbatches(num_ranks, num_chunks)
+        if not is_int(num_microbatches) or num_microbatches < minimum:
+            raise ValueError(
+                f"{cls.__name__} with {num_ranks} ranks needs at least {minimum} micro-batches, got {num_microbatches!r}"
+            )
+        return cls._generate(num_ranks, num_chunks, num_microbatches)
+
+    @classmethod
+    def _generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
         raise NotImplementedError
+
+    def _compute_schedule(self) -> Schedule:
+        """The compute lists this instance runs (a subclass may transform ``generate``'s)."""
+        return self.generate(self.num_ranks, len(self.stages), self.micro_batch_num)
+
+    @classmethod
+    def min_microbatches(cls, num_ranks: int, num_chunks: int) -> int:
+        """The fewest micro-batches this schedule can run."""
+        return 1
 
     @classmethod
     def stage_placement(cls, num_ranks: int, num_chunks: int) -> dict[int, int]:
@@ -160,14 +256,6 @@ class PipelineSchedule:
             ties.append((st.stage_index, names))
         return ties
 
-    def _params(self) -> list[Any]:
-        """Every parameter of this rank's stages, each object once (stages may share one)."""
-        unique: dict[int, Any] = {}
-        for st in self.stages:
-            for param in st.params:
-                unique.setdefault(id(param), param)
-        return list(unique.values())
-
     def _agree_across_ranks(self) -> shared_params.Holders:
         """Check every pipeline rank built the same schedule; exchange the tied-parameter table."""
         mine = {
@@ -176,27 +264,67 @@ class PipelineSchedule:
             "chunks": len(self.stages),
             "stage_num": self.stages[0].stage_num,
             "transport": self.p2p_transport,
+            "scale_grads": self.scale_grads,
+            "overlap_p2p": self.overlap_p2p,
+            "overlap_b_f": self.overlap_b_f,
+            "dyn_shape": self.dyn_shape,
+            "has_loss_fn": self.loss_fn is not None,
             "ties": self._local_ties(),
             "declared": [(st.stage_index, sorted(st.shared_parameters)) for st in self.stages],
+            "serial": next(_SERIALS),
         }
-        everyone = self.platform.all_gather_object(mine, self.group)
-        reference = everyone[0]  # compare with the first pipeline rank so every rank reports the same pair
-        for key in ("schedule", "micro_batch_num", "chunks", "stage_num", "transport"):
-            for pp_rank, theirs in enumerate(everyone):
-                if theirs[key] != reference[key]:
-                    raise ValueError(
-                        f"pipeline ranks disagree on {key}: rank {self.group.ranks[0]} has {reference[key]!r} but "
-                        f"rank {self.group.ranks[pp_rank]} has {theirs[key]!r}"
-                    )
+        everyone = gather_and_check(self.platform, self.group, mine)
+        self._serial = everyone[0]["serial"]  # one number on every rank, for the message tags
         return shared_params.collect_holders(
             [t["ties"] for t in everyone], self.group.ranks, [t["declared"] for t in everyone]
         )
 
+    def _training_metadata(self) -> str:
+        """Shapes travel for every micro-batch with ``dyn_shape``, else for the first micro-batch of
+        every stage boundary in every run (so the batch size, or which outputs need a gradient, may
+        change from run to run; the other micro-batches of a run must match the first)."""
+        return "all" if self.dyn_shape else "first"
+
+    def _lowered(self, metadata: str, forward_only: bool = False) -> dict[int, list[MetaStep]]:
+        key = (metadata, forward_only)
+        lowered = self._lowered_cache.get(key)
+        if lowered is None:
+            compute = _forwards_only(self.compute_schedule) if forward_only else self.compute_schedule
+            lowered = lower(compute, self.stage_to_pp_rank, self.p2p_transport, metadata=metadata,
+                            prefetch=self.overlap_p2p)
+            for lowering_pass in self._passes:
+                lowered = lowering_pass(lowered, self, forward_only)
+            engine = "eager" if self.platform.device_type == "cpu" else "stream"  # gloo vs NCCL / HCCL
+            try:
+                validate_lowered(lowered, self.stage_to_pp_rank, self.micro_batch_num, self.p2p_transport,
+                                 forward_only, engine=engine)
+            except ScheduleError as exc:
+                if self.p2p_transport != "plain" or engine != "stream":
+                    raise
+                raise ScheduleError(
+                    f"p2p_transport='plain' would hang on {self.platform.device_type}: there a rank's sends and "
+                    "receives run in order on one stream and a send waits for its receive; use "
+                    f"p2p_transport='batch' (what 'auto' picks there). {exc.reason}", exc.schedule, exc.marks
+                ) from None
+            self._lowered_cache[key] = lowered
+        return lowered
+
+    def add_feature(self, lowering_pass: LoweringPass | None = None,
+                    handlers: Mapping[MetaStepType, StepHandler] | None = None, hook: RunHook | None = None) -> None:
+        """Extend the schedule (for features such as FSDP or activation swap): a pass that inserts
+        steps into the lowered lists, the runtime handlers of those step types, a per-run hook."""
+        if lowering_pass is not None:
+            self._passes.append(lowering_pass)
+            self._lowered_cache.clear()
+        self._step_handlers.update(handlers or {})
+        if hook is not None:
+            self._run_hooks.append(hook)
+
     # ------------------------------------------------------------------ public API
     @property
     def exec_order(self) -> dict[int, list[MetaStep | None]]:
-        """The lowered step list of every pipeline rank (what the runtime executes)."""
-        return {r: list(steps) for r, steps in self._lowered.items()}
+        """The lowered step list of every pipeline rank that the next ``run`` executes."""
+        return {r: list(steps) for r, steps in self._lowered(self._training_metadata()).items()}
 
     def register_custom_function(self, step_type: MetaStepType, fn: CustomFunction) -> None:
         """Run ``fn(step, ctx)`` instead of the built-in behaviour for steps of ``step_type``."""
@@ -204,64 +332,222 @@ class PipelineSchedule:
             raise TypeError(f"step_type must be a MetaStepType, got {step_type!r}")
         if not callable(fn):
             raise TypeError(f"custom function for {step_type.name} must be callable, got {fn!r}")
+        if self.p2p_transport == "batch" and step_type in P2P_TYPES:
+            raise ValueError(
+                f"with p2p_transport='batch' every {step_type.name} step runs inside a BATCH_SEND_RECV step, so a "
+                f"function for {step_type.name} would never be called; register one for "
+                "MetaStepType.BATCH_SEND_RECV (step.sub_steps lists its operations; ctx.run_default(step) runs them)"
+            )
+        if self.p2p_transport == "plain" and step_type is _T.BATCH_SEND_RECV:
+            raise ValueError(
+                "with p2p_transport='plain' there are no BATCH_SEND_RECV steps; register functions for "
+                "FWD_SEND, FWD_RECV, BWD_SEND and BWD_RECV instead"
+            )
         self._custom[step_type] = fn
+
+    def parameters(self) -> list[Any]:
+        """Every trainable parameter of this rank's stages, each object once (stages may share one),
+        ready for an optimizer (on MindSpore, parameter names that clash between the stages of this
+        rank get their stage as a prefix, which MindSpore's optimizers need)."""
+        self.platform.unique_parameter_names([(st.stage_index, st.params) for st in self.stages])
+        return self._params()
+
+    def _params(self) -> list[Any]:
+        unique: dict[int, Any] = {}
+        for st in self.stages:
+            for param in st.params:
+                unique.setdefault(id(param), param)
+        return list(unique.values())
+
+    def named_parameters(self) -> dict[str, Any]:
+        """This rank's trainable parameters by a name unique on the rank: ``stage<index>.<name>``."""
+        out: dict[str, Any] = {}
+        seen: set[int] = set()
+        for st in self.stages:
+            for name, param in st.named_params:
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    prefix = f"stage{st.stage_index}."
+                    out[name if name.startswith(prefix) else prefix + name] = param
+        return out
+
+    def named_gradients(self) -> dict[str, Any]:
+        """The gradients of :meth:`named_parameters` that exist, by the same names."""
+        out = {}
+        for name, param in self.named_parameters().items():
+            grad = self.platform.get_grad(param)
+            if grad is not None:
+                out[name] = grad
+        return out
+
+    def gather_trace(self) -> list[dict[str, Any]]:
+        """The step records of the last run of every pipeline rank, merged and sorted (a collective:
+        every pipeline rank calls it). Tracing is on with ``schedule.tracer.enabled = True`` or
+        ``HYPER_PARALLEL_TRACE=1``; see ``docs/tools.md`` for the record format and the viewers."""
+        return self.tracer.gather(self.platform, self.group)
+
+    def memory_stats(self) -> Any:
+        """Activation memory of the last training run on this rank (``MemoryStats``); tracking is on
+        with ``swap=True`` or after ``memory_stats.track_memory(schedule)`` (see ``docs/memory.md``)."""
+        from hyper_parallel.core.pipeline_parallel.memory_stats import memory_stats
+
+        return memory_stats(self)
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of every parameter of this rank's stages."""
+        self.platform.zero_grads(self._params())
 
     def run(self, *args: Any, target: Any = None, **kwargs: Any) -> list[Any]:
         """One training step: returns the per-micro-batch losses on the last stage's rank, else []."""
-        p, m = self.platform, self.micro_batch_num
-        has_first = self.stages[0].is_first
-        has_last = self.stages[-1].is_last
-        if has_last and self.loss_fn is not None and target is None:
+        return self._train(args, kwargs, target, keep_outputs=self.output_concat_dim is not None,
+                           concat_dim=self.output_concat_dim)
+
+    def step(self, *args: Any, target: Any = None, losses: list[Any] | None = None, return_outputs: bool = True,
+             **kwargs: Any) -> Any:
+        """torch.distributed.pipelining's ``step``: one training step (forward only without a
+        ``loss_fn``, as there); fills ``losses`` with the per-micro-batch losses on the last
+        stage's rank and returns the last stage's outputs merged along ``output_concat_dim``
+        (default 0) there, ``None`` elsewhere."""
+        dim = 0 if self.output_concat_dim is None else self.output_concat_dim
+        if self.loss_fn is None:
+            return self._forward(args, kwargs, None, concat_dim=dim, want_outputs=True, losses=None)
+        per_micro = self._train(args, kwargs, target, keep_outputs=return_outputs, concat_dim=dim)
+        if losses is not None:
+            losses.extend(per_micro)
+        return self.outputs if return_outputs and self.stages[-1].is_last else None
+
+    def eval(self, *args: Any, target: Any = None, **kwargs: Any) -> Any:
+        """Forwards only, no graph kept and no gradient touched: the per-micro-batch losses on the
+        last stage's rank when a ``loss_fn`` and a target are given, else the last stage's outputs
+        merged along ``output_concat_dim`` (default 0); ``None`` on ranks without the last stage."""
+        dim = 0 if self.output_concat_dim is None else self.output_concat_dim
+        with_loss = self.loss_fn is not None and target is not None
+        return self._forward(args, kwargs, target if with_loss else None, concat_dim=dim, want_outputs=not with_loss,
+                             losses=[] if with_loss else None)
+
+    # ------------------------------------------------------------------ the pieces of a run
+    def _check_target(self, target: Any, needs_loss: bool) -> None:
+        if not self.stages[-1].is_last:
+            return
+        if needs_loss and self.loss_fn is not None and target is None:
             raise ValueError("loss_fn was given but run() got no target on the rank holding the last stage")
-        if has_last and self.loss_fn is None and target is not None:
+        if self.loss_fn is None and target is not None:
             raise ValueError("run() got a target but the schedule has no loss_fn to use it")
-        if has_first:
+
+    def _split(self, args: Sequence[Any], kwargs: Mapping[str, Any], target: Any) -> tuple[list, list, list]:
+        p, m = self.platform, self.micro_batch_num
+        if self.stages[0].is_first:
             micro = split_inputs(p, args, kwargs, m, self.args_batch_dim, self.kwargs_batch_dim)
+            device = self.stages[0].device
+            if device is not None:
+                micro = [(_place(p, a, device), _place(p, k, device)) for a, k in micro]
         else:
             micro = [((), {})] * m
-        targets = split_target(p, target, m) if has_last and target is not None else []
-        params = self._params()
-        earlier = [p.get_grad(param) for param in params]
-        p.zero_grads(params)
+        targets = split_target(p, target, m) if self.stages[-1].is_last and target is not None else []
+        return [a for a, _ in micro], [k for _, k in micro], targets
 
-        runtime = PipelineRuntime(
-            p,
-            self._by_index,
-            self.stage_to_rank,
-            [a for a, _ in micro],
-            [k for _, k in micro],
-            targets,
-            self.loss_fn,
-            overlap_p2p=self.overlap_p2p,
-            batch_p2p=self.p2p_transport == "batch",
-            keep_outputs=self.output_concat_dim is not None,
+    def _runtime(self, micro_args: list, micro_kwargs: list, targets: list, *, keep_outputs: bool,
+                 forward_only: bool) -> PipelineRuntime:
+        return PipelineRuntime(
+            self.platform, self._by_index, self.stage_to_rank, micro_args, micro_kwargs, targets, self.loss_fn,
+            batch_p2p=self.p2p_transport == "batch", keep_outputs=keep_outputs,
+            loss_scale=1.0 / self.micro_batch_num if self.scale_grads else 1.0, forward_only=forward_only,
+            tracer=self.tracer, extra_handlers=self._step_handlers, group=self.group, tag=self._next_tag(),
         )
-        ctx = StepContext(self, runtime, runtime.micro_args, runtime.micro_kwargs, targets, runtime.losses)
-        steps = [s for s in self._lowered[self.pp_rank] if s is not None]
-        runtime.execute(steps, self._custom, ctx)
-        self.peak_activations = runtime.peak_activations
 
-        if self._holders:
-            shared_params.sum_gradients(p, self._by_index, self._holders)
-        if self.scale_grads:
-            p.scale_grads(params, 1.0 / m)
-        for param, old in zip(params, earlier, strict=True):
-            if old is not None:
-                new = p.get_grad(param)
-                p.set_grad(param, old if new is None else old + new)
-        if not has_last:
+    def _next_tag(self) -> int:
+        """The message tag of the next run: a run's messages never match another run's receives on
+        engines with tags (gloo, LocalCluster), so a run after a failed one cannot take the failed
+        run's leftover messages for its own."""
+        self._runs += 1
+        return 1 + (self._serial % 1000) * _RUNS_PER_TAG_BLOCK + self._runs % _RUNS_PER_TAG_BLOCK
+
+    def _execute(self, runtime: PipelineRuntime, lowered: dict[int, list[MetaStep]]) -> None:
+        self.tracer.start(self.platform, self.group)
+        ctx = StepContext(self, runtime, runtime.micro_args, runtime.micro_kwargs, runtime.targets, runtime.losses)
+        runtime.execute([s for s in lowered[self.pp_rank] if s is not None], self._custom, ctx)
+
+    def _train(self, args: Sequence[Any], kwargs: Mapping[str, Any], target: Any, *, keep_outputs: bool,
+               concat_dim: int | None) -> list[Any]:
+        p = self.platform
+        if not p.grad_enabled():
+            raise RuntimeError(
+                "schedule.run() was called with gradients disabled (e.g. inside torch.no_grad()); it trains. "
+                "For forward-only evaluation call schedule.eval(...)"
+            )
+        self._check_target(target, needs_loss=True)
+        micro_args, micro_kwargs, targets = self._split(args, kwargs, target)
+        lowered = self._lowered(self._training_metadata())
+        grads = RunGradients(p, self._params(), self.keep_grads_on_error,
+                             shared_params.non_owner_params(p, self._by_index, self._holders), self._host_grads)
+        runtime = self._runtime(micro_args, micro_kwargs, targets, keep_outputs=keep_outputs, forward_only=False)
+        try:
+            for hook in self._run_hooks:
+                hook.before_run(self, runtime)
+            self._execute(runtime, lowered)
+            if self._holders:
+                shared_params.sum_gradients(p, self._by_index, self._holders)
+            for hook in self._run_hooks:
+                hook.after_run(self, runtime)
+        except BaseException:
+            grads.restore()
+            for hook in self._run_hooks:
+                hook.on_failure(self)
+            raise
+        self.peak_activations = runtime.peak_activations
+        return self._results(runtime, keep_outputs, concat_dim)
+
+    def _forward(self, args: Sequence[Any], kwargs: Mapping[str, Any], target: Any, *, concat_dim: int,
+                 want_outputs: bool, losses: list | None) -> Any:
+        micro_args, micro_kwargs, targets = self._split(args, kwargs, target)
+        runtime = self._runtime(micro_args, micro_kwargs, targets, keep_outputs=want_outputs, forward_only=True)
+        self._execute(runtime, self._lowered("all" if self.dyn_shape else "first", forward_only=True))
+        results = self._results(runtime, want_outputs, concat_dim)
+        if not self.stages[-1].is_last:
+            return None
+        return results if losses is not None else self.outputs
+
+    def _results(self, runtime: PipelineRuntime, keep_outputs: bool, concat_dim: int | None) -> list[Any]:
+        if not self.stages[-1].is_last:
             self.outputs = None
             return []
-        if self.output_concat_dim is not None:
-            self.outputs = merge_outputs(p, [runtime.stage_outputs[i] for i in range(m)], self.output_concat_dim)
-        return [runtime.losses[i] for i in range(m)]
+        m = self.micro_batch_num
+        if keep_outputs and concat_dim is not None:
+            self.outputs = merge_outputs(self.platform, [runtime.stage_outputs[i] for i in range(m)], concat_dim)
+        return [runtime.losses[i] for i in range(m) if i in runtime.losses]
+
+
+def _forwards_only(compute: Schedule) -> Schedule:
+    """The forward steps of a compute schedule, in the same order (removing steps only removes waits)."""
+    out: Schedule = {}
+    for rank, steps in compute.items():
+        kept: list[MetaStep | None] = []
+        for step in steps:
+            if step is None:
+                continue
+            kept += [part for part in step.parts if part.meta_type is _T.FWD]
+        out[rank] = kept
+    return out
+
+
+def _place(platform: Any, value: Any, device: Any) -> Any:
+    """``value`` with every tensor inside it moved to ``device``."""
+    if platform.is_tensor(value):
+        return platform.to_stage_device(value, device)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_place(platform, v, device) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_place(platform, v, device) for v in value)
+    if isinstance(value, Mapping):
+        return type(value)((k, _place(platform, v, device)) for k, v in value.items())
+    return value
 
 
 class ScheduleGPipe(PipelineSchedule):
     """All forwards, then all backwards."""
 
     @classmethod
-    def generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
+    def _generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
         return generate_gpipe(num_ranks, num_microbatches)
 
 
@@ -269,7 +555,7 @@ class Schedule1F1B(PipelineSchedule):
     """Warm-up forwards, then one forward one backward, then cool-down backwards."""
 
     @classmethod
-    def generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
+    def _generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
         return generate_1f1b(num_ranks, num_microbatches)
 
 
@@ -279,13 +565,27 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
     placement = "looped"
     min_chunks, max_chunks = 2, 64
 
-    def __init__(self, stages: Sequence[PipelineStage], micro_batch_num: int, overlap_b_f: bool = False, **common: Any):
-        if overlap_b_f:
-            raise NotImplementedError("overlap_b_f=True is not available in this version")
+    def __init__(self, stages: Sequence[PipelineStage], micro_batch_num: int | None = None, overlap_b_f: bool = False,
+                 **common: Any):
+        """``overlap_b_f=True``: in the steady state, a backward and the forward of another chunk
+        that follows it become one ``OVERLAP_B_F`` step (run on ``comm_compute_overlap`` when
+        given, else one after the other); see ``schedules/overlap_pairs.py``."""
+        if not isinstance(overlap_b_f, bool):
+            raise TypeError(f"overlap_b_f must be a bool, got {overlap_b_f!r}")
+        if common.get("comm_compute_overlap") is not None and not overlap_b_f:
+            raise ValueError(
+                "comm_compute_overlap runs the overlapped (backward, forward) pairs, which "
+                "ScheduleInterleaved1F1B makes only with overlap_b_f=True"
+            )
+        self.overlap_b_f = overlap_b_f
         super().__init__(stages, micro_batch_num, **common)
 
+    def _compute_schedule(self) -> Schedule:
+        compute = super()._compute_schedule()
+        return fuse_overlap_pairs(compute, self.stage_to_pp_rank) if self.overlap_b_f else compute
+
     @classmethod
-    def generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
+    def _generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
         return generate_interleaved_1f1b(num_ranks, num_chunks, num_microbatches)
 
 
@@ -296,6 +596,5 @@ class ScheduleLoopedBFS(PipelineSchedule):
     min_chunks, max_chunks = 1, 64
 
     @classmethod
-    def generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
+    def _generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
         return generate_looped_bfs(num_ranks, num_chunks, num_microbatches)
-

@@ -68,6 +68,21 @@ def sync_values(p: Platform, stages: dict[int, PipelineStage], holders: Holders)
                     p.assign_param(param, buf)
 
 
+def non_owner_params(p: Platform, stages: dict[int, PipelineStage], holders: Holders) -> list[Any]:
+    """The tied parameters of this rank that are not their tie's owner: their gradient is rebuilt
+    from the sum after every run, so a run starts them from no gradient."""
+    me = p.rank
+    out = []
+    for name, owners in holders.items():
+        owner = owners[0]
+        for stage_index, rank in owners:
+            if rank == me and (stage_index, rank) != owner:
+                param = _local(stages, name, stage_index)
+                if not (owner[1] == me and param is _local(stages, name, owner[0])):
+                    out.append(param)
+    return out
+
+
 def _grad_or_zeros(p: Platform, param: Any) -> Any:
     grad = p.get_grad(param)
     return grad if grad is not None else p.zeros_like(p.param_data(param))

@@ -5,42 +5,55 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hyper_parallel.core.pipeline_parallel.meta import TensorMeta
+from hyper_parallel.core.pipeline_parallel.placement import check_int
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import Group
-
-
-def _check_index(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    return value
 
 
 class PipelineStage:
     """One stage of a pipeline: ``submodule`` is stage ``stage_index`` of ``stage_num``.
 
-    ``group`` (or the ``"pp"`` dimension of ``mesh``) is the process group of the pipeline;
-    by default the whole world. With ``dyn_shape=True`` the shapes of the tensors passed
-    between stages are exchanged for every micro-batch (so sequence lengths may vary);
-    otherwise once, on the first run. ``shared_parameters`` maps a tie name to a parameter
-    of this stage (or to its name in ``submodule``); stages that use the same tie name hold
-    the same weight: values are synced when the schedule is built and gradients summed
-    after every run.
+    ``device`` is where received tensors and this stage's micro-batch inputs are placed (a torch
+    device or its name; default: the platform's current device). ``group`` (or the ``"pp"``
+    dimension of ``mesh``) is the process group of the pipeline; by default the whole world.
+    ``mesh`` (kept as ``stage.mesh``) is also where DTensors received from the previous stage are
+    rebuilt: on this rank's line of the mesh dimensions they were laid out over (e.g. ``"tp"``).
+    The shapes of the tensors passed between stages are exchanged for the first micro-batch of
+    every run (the others must match it); with ``dyn_shape=True`` for every micro-batch (so
+    sequence lengths may vary within a run).
+    ``shared_parameters`` maps a tie name to a parameter of this stage (or to its name in
+    ``submodule``); stages that use the same tie name hold the same weight: values are synced
+    when the schedule is built and gradients summed after every run.
+
+    ``free_sent_outputs`` (default True): once an output has been sent to the next stage, its
+    storage is released and only its autograd link is kept, as Megatron does. A forward hook or
+    a custom autograd function that keeps a reference to that output then sees an empty tensor;
+    pass ``False`` to keep the data (it costs one output's memory per micro-batch in flight).
+    ``num_stages`` is accepted as another name of ``stage_num`` (torch.distributed.pipelining's).
+    The trainable parameters are read from ``submodule`` at every run, so a parameter frozen
+    or unfrozen after the stage was built is handled.
     """
 
     def __init__(
         self,
         submodule: Any,
         stage_index: int,
-        stage_num: int,
+        stage_num: int | None = None,
         device: Any = None,
         group: Group | None = None,
         mesh: Any = None,
         dyn_shape: bool = False,
         shared_parameters: Mapping[str, Any] | None = None,
+        free_sent_outputs: bool = True,
+        num_stages: int | None = None,
     ) -> None:
-        _check_index("stage_index", stage_index)
-        _check_index("stage_num", stage_num)
+        if stage_num is None and num_stages is None:
+            raise TypeError("PipelineStage needs stage_num (or num_stages)")
+        if stage_num is not None and num_stages is not None and stage_num != num_stages:
+            raise ValueError(f"stage_num={stage_num} and num_stages={num_stages} disagree")
+        stage_num = stage_num if stage_num is not None else num_stages
+        check_int("stage_index", stage_index)
+        check_int("stage_num", stage_num)
         if stage_num < 1:
             raise ValueError(f"stage_num must be >= 1, got {stage_num}")
         if not 0 <= stage_index < stage_num:
@@ -51,20 +64,27 @@ class PipelineStage:
         self.submodule = submodule
         self.stage_index = stage_index
         self.stage_num = stage_num
-        self.device = device
+        self.device = self.platform.check_device(device)
         self.dyn_shape = bool(dyn_shape)
+        self.free_sent_outputs = bool(free_sent_outputs)
+        self.mesh = mesh  # the whole mesh: DTensors arriving from the previous stage are rebuilt on it
         if mesh is not None:
-            mesh = mesh if mesh.ndim == 1 else mesh["pp"]
-            group = mesh.get_group()
+            pp_mesh = mesh if mesh.ndim == 1 else mesh["pp"]
+            group = pp_mesh.get_group()
         self.group: Group = group if group is not None else self.platform.world_group
         if self.platform.rank not in self.group.ranks:
             raise ValueError(f"rank {self.platform.rank} is not in the pipeline group {list(self.group.ranks)}")
-        self.named_params: list[tuple[str, Any]] = self.platform.named_parameters(submodule)
-        self.params = [p for _, p in self.named_params]
         self.shared_parameters = self._resolve_shared(shared_parameters or {})
-        # What this stage agreed with its neighbours (static shapes): filled on the first run.
-        self.input_meta: list[TensorMeta] | None = None
-        self.output_meta: list[TensorMeta] | None = None
+
+    @property
+    def named_params(self) -> list[tuple[str, Any]]:
+        """The trainable parameters of ``submodule`` now, by name."""
+        return self.platform.named_parameters(self.submodule)
+
+    @property
+    def params(self) -> list[Any]:
+        """The trainable parameters of ``submodule`` now."""
+        return [p for _, p in self.named_params]
 
     def _resolve_shared(self, shared: Mapping[str, Any]) -> dict[str, Any]:
         by_name = dict(self.named_params)
@@ -88,7 +108,7 @@ class PipelineStage:
         return self.stage_index == self.stage_num - 1
 
     def named_gradients(self) -> dict[str, Any]:
-        """Accumulated gradient of every parameter that has one, by parameter name."""
+        """Accumulated gradient of every trainable parameter that has one, by parameter name."""
         out = {}
         for name, p in self.named_params:
             grad = self.platform.get_grad(p)

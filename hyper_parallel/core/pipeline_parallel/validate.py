@@ -2,8 +2,8 @@
 
 `validate_compute` checks a compute-only schedule (placement, counts, order on each rank and
 freedom from cross-rank cycles); `validate_lowered` checks a lowered schedule (the same, plus
-send/recv pairing, FIFO order per rank pair, send/recv placement and a whole-job run in which
-a recv blocks until its send was posted).
+send/recv pairing, FIFO order per rank pair, send/recv and metadata placement, and a whole-job
+run of the job model of ``job_model.py`` with the communication semantics of the transport).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 
-from .ir import DataKey, MetaStep, MetaStepType, Schedule, consumes, message_key, produces
-from .lowering import counterpart, peer_rank
+from .ir import DataKey, MetaStep, MetaStepType, Schedule, message_key
+from .job_model import run_job
+from .lowering import TRANSPORTS, counterpart, peer_rank
 from .placement import check_count
 
 Pos = tuple[int, int]
@@ -29,6 +30,7 @@ class ScheduleError(ValueError):
 
     def __init__(self, reason: str, schedule: Schedule, marks: Iterable[Pos] = ()) -> None:
         self.reason = reason
+        self.schedule = schedule
         self.marks = tuple(marks)
         super().__init__(f"{reason}\n{format_grid(schedule, self.marks)}")
 
@@ -59,13 +61,32 @@ def validate_compute(compute: Schedule, stage_to_rank: dict[int, int], num_micro
     checker.check_progress(lowered=False)
 
 
-def validate_lowered(lowered: Schedule, stage_to_rank: dict[int, int], num_microbatches: int) -> None:
-    """Check a lowered schedule; raise ScheduleError on the first problem."""
+def validate_lowered(
+    lowered: Schedule,
+    stage_to_rank: dict[int, int],
+    num_microbatches: int,
+    transport: str = "plain",
+    forward_only: bool = False,
+    engine: str | None = None,
+) -> None:
+    """Check a lowered schedule; raise ScheduleError on the first problem.
+
+    ``engine`` picks the communication model of the whole-job run: ``"eager"`` (gloo,
+    LocalCluster: a send never waits for its receive) or ``"stream"`` (NCCL/HCCL: a rank's
+    operations run in order on one stream and a send completes when its receive is posted); by
+    default ``"stream"`` for the ``batch`` transport and ``"eager"`` for ``plain``. The runtime
+    waits for a data receive at the compute that consumes it. ``forward_only`` (an evaluation
+    pass) needs no backward steps.
+    """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; valid transports: {', '.join(TRANSPORTS)}")
     checker = _Checker(lowered, stage_to_rank, num_microbatches)
     checker.check_compute_steps(allow_comm=True)
-    checker.check_counts()
+    checker.check_counts(forward_only)
     checker.check_comm()
-    checker.check_progress(lowered=True)
+    if engine is None:
+        engine = "stream" if transport == "batch" else "eager"
+    checker.check_progress(lowered=True, model=engine)
 
 
 def validate_schedule(schedule: Schedule, stage_to_rank: dict[int, int], num_microbatches: int) -> None:
@@ -80,11 +101,6 @@ def _checked_stage_map(stage_to_rank: dict[int, int]) -> dict[int, int]:
     if stages != list(range(len(stages))) or not stages:
         raise ValueError(f"stage_to_rank must map stages 0..n-1 (n >= 1), got stages {stages}")
     return stage_to_rank
-
-
-def _producer_text(key: DataKey) -> str:
-    kind, stage, micro = key
-    return f"F.s{stage}.m{micro}" if kind == "F" else f"B.s{stage}.m{micro} or I.s{stage}.m{micro}"
 
 
 class _Checker:
@@ -115,8 +131,10 @@ class _Checker:
             if step.meta_type.is_comm and not allow_comm:
                 self.fail(f"{step} is a communication step in a compute-only schedule", pos)
             for op in step.comm_parts:
-                if not (op.meta_type.is_send or op.meta_type.is_recv):
-                    self.fail(f"{step}: a BATCH may only hold sends and recvs", pos)
+                if not (op.meta_type.is_send or op.meta_type.is_recv) or (
+                    op.meta_type.is_meta and step.meta_type is _T.BATCH_SEND_RECV
+                ):
+                    self.fail(f"{step}: a BATCH may only hold data sends and recvs", pos)
             if not step.meta_type.is_compute:
                 continue
             parts = self.parts_of(step, pos)
@@ -176,13 +194,15 @@ class _Checker:
             if not self.seen(_T.BWD_INPUT, s, i):
                 self.fail(f"{part} runs before its I.s{s}.m{i}", pos)
 
-    def check_counts(self) -> None:
+    def check_counts(self, forward_only: bool = False) -> None:
         for s in range(self.num_stages):
             for i in range(self.num_micro):
                 fwd = self.seen(_T.FWD, s, i)
                 if fwd is None:
                     owner = self.stage_to_rank[s]
                     self.fail(f"F.s{s}.m{i} is missing (stage {s} is on rank {owner})")
+                if forward_only:
+                    continue
                 if not (self.seen(_T.BWD, s, i) or self.seen(_T.BWD_INPUT, s, i)):
                     self.fail(f"F.s{s}.m{i} has no backward (B.s{s}.m{i}, or I and W)", fwd)
                 split = self.seen(_T.BWD_INPUT, s, i)
@@ -208,7 +228,7 @@ class _Checker:
                     self.fail(f"{op} appears twice", table[key][0], pos)
                 table[key] = (pos, op)
                 pair = (rank, peer) if is_send else (peer, rank)
-                order[(is_send, *pair)].append((key, pos, op))
+                order[(is_send, op.meta_type.is_meta, *pair)].append((key, pos, op))
         for mine, other in ((sends, recvs), (recvs, sends)):
             for key, (pos, op) in mine.items():
                 if key not in other:
@@ -228,31 +248,33 @@ class _Checker:
         return peer
 
     def check_fifo(self, order: dict) -> None:
-        for (is_send, src, dst), sent in sorted(order.items()):
+        for (is_send, is_meta, src, dst), sent in sorted(order.items()):
             if not is_send:
                 continue
-            received = order.get((False, src, dst), [])
+            received = order.get((False, is_meta, src, dst), [])
+            channel = "metadata" if is_meta else "data"
             for k, (sent_op, recv_op) in enumerate(zip(sent, received)):
                 if sent_op[0] != recv_op[0]:
                     self.fail(
-                        f"FIFO order violation from rank {src} to rank {dst}: send #{k + 1} is "
-                        f"{sent_op[2]} but recv #{k + 1} is {recv_op[2]} (messages between two "
+                        f"FIFO order violation from rank {src} to rank {dst}: {channel} send #{k + 1} is "
+                        f"{sent_op[2]} but {channel} recv #{k + 1} is {recv_op[2]} (messages between two "
                         "ranks are matched in order)",
                         sent_op[1],
                         recv_op[1],
                     )
 
     def check_op_placement(self, sends: dict, recvs: dict) -> None:
+        self.check_meta_placement(sends, recvs)
         for (pos, op) in sends.values():
             s, i = op.stage_index, op.micro_index
-            kinds = (_T.FWD,) if op.meta_type is _T.FWD_SEND else _BACKWARD
+            kinds = _BACKWARD if op.meta_type is _T.BWD_SEND else (_T.FWD,)
             producer = next((self.seen(k, s, i) for k in kinds if self.seen(k, s, i)), None)
             if producer is None or producer[1] > pos[1]:
                 marks = [pos] + ([producer] if producer else [])
                 self.fail(f"{op} comes before the step that produces its data", *marks)
         for (pos, op) in recvs.values():
             s, i = op.stage_index, op.micro_index
-            kinds = (_T.FWD,) if op.meta_type is _T.FWD_RECV else _BACKWARD
+            kinds = _BACKWARD if op.meta_type is _T.BWD_RECV else (_T.FWD,)
             consumer = next((self.seen(k, s, i) for k in kinds if self.seen(k, s, i)), None)
             if consumer is not None and consumer[1] < pos[1]:
                 self.fail(f"{op} comes after the step that consumes its data", pos, consumer)
@@ -266,57 +288,43 @@ class _Checker:
             if message_key(need) not in recvs:
                 self.fail(f"{self.schedule[pos[0]][pos[1]]} needs {need} before it", pos)
 
+    def check_meta_placement(self, sends: dict, recvs: dict) -> None:
+        """Shapes travel right before their data: a SEND_META no later than its SEND_F, a
+        RECV_META in an earlier step than its RECV_F (the data buffer is made from it)."""
+        for table, what in ((sends, "send"), (recvs, "receive")):
+            for key, (pos, op) in table.items():
+                if key[0] != "M":
+                    continue
+                data = table.get(("F", key[1], key[2]))
+                if data is None:
+                    self.fail(f"{op} has no data {what} of the same forward output on its rank", pos)
+                if op.meta_type is _T.META_SEND and data[0][1] < pos[1]:
+                    self.fail(f"{op} comes after {data[1]}, whose shapes it describes", pos, data[0])
+                if op.meta_type is _T.META_RECV and data[0][1] <= pos[1]:
+                    self.fail(f"{data[1]} needs its shapes from {op} in an earlier step", pos, data[0])
+
     # --- whole-job run -----------------------------------------------------------------------
 
-    def check_progress(self, lowered: bool) -> None:
-        """Run all ranks together; compute and sends never block, a recv blocks until its
-        send was posted, a compute until its inputs are there."""
-        done: set[DataKey] = set()
-        sent: set[DataKey] = set()
-        got: dict[int, set[DataKey]] = defaultdict(set)
-        cursor = dict.fromkeys(self.schedule, 0)
-        waits: dict[int, str] = {}
-        progress = True
-        while progress:
-            progress = False
-            for rank in sorted(self.schedule):
-                steps = self.schedule[rank]
-                while cursor[rank] < len(steps):
-                    step = steps[cursor[rank]]
-                    if step is not None:
-                        sent.update(message_key(op) for op in step.comm_parts if op.meta_type.is_send)
-                        wait = self.waiting_for(rank, step, lowered, done, sent, got[rank])
-                        if wait is not None:
-                            waits[rank] = wait
-                            break
-                        got[rank].update(
-                            message_key(op) for op in step.comm_parts if op.meta_type.is_recv
-                        )
-                        done.update(key for part in step.parts for key in produces(part))
-                    cursor[rank] += 1
-                    progress = True
-        stuck = [rank for rank in sorted(self.schedule) if cursor[rank] < len(self.schedule[rank])]
-        if stuck:
-            lines = [
-                f"  rank {r} is stuck at {self.schedule[r][cursor[r]]}, waiting for {waits[r]}"
-                for r in stuck
-            ]
-            reason = "deadlock: every unfinished rank is blocked\n" + "\n".join(lines)
-            self.fail(reason, *((r, cursor[r]) for r in stuck))
+    def check_progress(self, lowered: bool, model: str = "eager") -> None:
+        """Run all ranks together in the job model; fail with every stuck rank marked."""
+        outcome = run_job(self.schedule, self.stage_to_rank, lowered=lowered, model=model)
+        if outcome.finished:
+            return
+        marks = []
+        lines = []
+        for rank, (index, wait) in sorted(outcome.stuck.items()):
+            position = self.position_of(rank, index)
+            marks.append(position)
+            step = self.schedule[rank][position[1]] if position[1] < len(self.schedule[rank]) else "its end"
+            lines.append(f"  rank {rank} is stuck at {step}, waiting for {wait}")
+        self.fail("deadlock: every unfinished rank is blocked\n" + "\n".join(lines), *marks)
 
-    def waiting_for(
-        self, rank: int, step: MetaStep, lowered: bool, done: set, sent: set, got: set
-    ) -> str | None:
-        for op in step.comm_parts:
-            if op.meta_type.is_recv and message_key(op) not in sent:
-                peer = peer_rank(op, self.stage_to_rank)
-                return f"{counterpart(op)} on rank {peer}"
-        for part in step.parts:
-            for key in consumes(part, self.num_stages):
-                owner = self.stage_to_rank[key[1]]
-                if lowered and owner != rank:
-                    if key not in got:
-                        return f"a completed recv of {_producer_text(key)} from rank {owner}"
-                elif key not in done:
-                    return f"{_producer_text(key)} on rank {owner}"
-        return None
+    def position_of(self, rank: int, index: int) -> Pos:
+        """(rank, position in the list with idle slots) of the index-th non-idle step."""
+        seen = -1
+        for k, step in enumerate(self.schedule[rank]):
+            if step is not None:
+                seen += 1
+                if seen == index:
+                    return (rank, k)
+        return (rank, len(self.schedule[rank]) - 1)

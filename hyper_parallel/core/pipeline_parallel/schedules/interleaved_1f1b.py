@@ -25,7 +25,9 @@ bubble for deadlock freedom, which the property tests check for many (p, v, m).
 from __future__ import annotations
 
 from ..ir import MetaStep
+from ..placement import looped_placement
 from ._common import bwd, check_count, fwd, one_f_one_b
+from .overlap_pairs import fuse_overlap_pairs
 
 
 def microbatch_rounds(num_ranks: int, num_microbatches: int) -> list[range]:
@@ -42,9 +44,12 @@ def interleaved_warmup(num_ranks: int, num_chunks: int, num_microbatches: int, r
 
 
 def generate_interleaved_1f1b(
-    num_ranks: int, num_chunks: int, num_microbatches: int
+    num_ranks: int, num_chunks: int, num_microbatches: int, overlap_b_f: bool = False
 ) -> dict[int, list[MetaStep | None]]:
-    """Interleaved 1F1B with stage ``c * p + r`` on rank r; any m >= 1, v >= 2."""
+    """Interleaved 1F1B with stage ``c * p + r`` on rank r; any m >= 1, v >= 2.
+
+    With ``overlap_b_f`` the steady state's pairs of a backward and the next forward of another
+    chunk become ``OVERLAP_B_F`` steps (``overlap_pairs.fuse_overlap_pairs``)."""
     p = check_count("num_ranks", num_ranks, 1)
     v = check_count("num_chunks", num_chunks, 2)
     m = check_count("num_microbatches", num_microbatches, 1)
@@ -54,4 +59,6 @@ def generate_interleaved_1f1b(
         forwards = [fwd(c * p + r, i) for rnd in rounds for c in range(v) for i in rnd]
         backwards = [bwd(c * p + r, i) for rnd in rounds for c in reversed(range(v)) for i in rnd]
         schedule[r] = list(one_f_one_b(forwards, backwards, interleaved_warmup(p, v, m, r)))
+    if overlap_b_f:
+        return fuse_overlap_pairs(schedule, looped_placement(p, v))
     return schedule

@@ -7,7 +7,9 @@ gradient of the pipeline with one non-pipelined step of the same model on the sa
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +23,14 @@ from hyper_parallel.core.pipeline_parallel.schedule import (
     ScheduleLoopedBFS,
 )
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import (
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import Platform
-from hyper_parallel.platform.model_spec import (
+from hyper_parallel.demo.gpt import (
     TIED_PARAMS,
     CharTokenizer,
     GPTConfig,
@@ -32,17 +39,44 @@ from hyper_parallel.platform.model_spec import (
     sample_batch,
 )
 
-# name -> (schedule class, stages per rank)
+# name -> (schedule class, default stages per rank)
 SCHEDULES: dict[str, tuple[type[PipelineSchedule], int]] = {
     "gpipe": (ScheduleGPipe, 1),
     "1f1b": (Schedule1F1B, 1),
     "interleaved-1f1b": (ScheduleInterleaved1F1B, 2),
     "looped-bfs": (ScheduleLoopedBFS, 2),
+    "interleaved-zb": (ScheduleInterleavedZeroBubble, 2),
+    "zbv": (ScheduleZBVZeroBubble, 2),
+    "dualpipev": (ScheduleDualPipeV, 2),
 }
+
+
+def check_chunks(schedule: str, chunks: int) -> None:
+    """Raise ValueError unless ``schedule`` can run ``chunks`` stages per rank."""
+    schedule_class = SCHEDULES[schedule][0]
+    low, high = schedule_class.min_chunks, schedule_class.max_chunks
+    if high == 1 and chunks != 1:
+        several = ", ".join(name for name, (cls, _) in SCHEDULES.items() if cls.max_chunks > 1)
+        raise ValueError(f"the {schedule} schedule runs one stage per rank, so chunks must be 1, got {chunks} "
+                         f"(several stages per rank: {several})")
+    if low == high and chunks != low:
+        raise ValueError(f"the {schedule} schedule runs exactly {low} stages per rank, got chunks={chunks}")
+    if not low <= chunks <= high:
+        raise ValueError(f"the {schedule} schedule runs between {low} and {high} stages per rank, got chunks={chunks}")
+
+
+def check_micro_batches(schedule: str, ranks: int, chunks: int, micro_batches: int) -> None:
+    """Raise ValueError if ``schedule`` needs more than ``micro_batches`` micro-batches."""
+    minimum = SCHEDULES[schedule][0].min_microbatches(ranks, chunks)
+    if micro_batches < minimum:
+        raise ValueError(f"the {schedule} schedule needs at least {minimum} micro-batches with {ranks} ranks, "
+                         f"got {micro_batches}")
 
 
 @dataclass(frozen=True)
 class DemoOptions:
+    """What the demo runs; ``chunks`` (stages per rank) defaults to the schedule's own default."""
+
     schedule: str = "1f1b"
     ranks: int = 4
     steps: int = 8
@@ -51,10 +85,21 @@ class DemoOptions:
     seq_len: int = 32
     lr: float = 3e-3
     seed: int = 0
+    chunks: int | None = None
+    graph_mode: bool = False  # MindSpore only: train under GRAPH_MODE (see run_on_local_cluster)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
+        if self.chunks is None:
+            object.__setattr__(self, "chunks", SCHEDULES[self.schedule][1])
+        for name, low in (("ranks", 2), ("steps", 1), ("micro_batches", 1), ("batch_size", 1), ("seq_len", 1),
+                          ("chunks", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_chunks(self.schedule, self.chunks)
+        check_micro_batches(self.schedule, self.ranks, self.chunks, self.micro_batches)
         if self.batch_size % self.micro_batches:
             raise ValueError(f"batch_size {self.batch_size} must divide into {self.micro_batches} micro-batches")
 
@@ -65,7 +110,7 @@ def model_config(vocab_size: int, seq_len: int) -> GPTConfig:
 
 
 def _models(platform: Platform) -> Any:
-    return importlib.import_module(f"hyper_parallel.platform.{platform.name}.models")
+    return importlib.import_module(f"hyper_parallel.demo.gpt_{platform.name}")
 
 
 class Adam:
@@ -98,12 +143,12 @@ def build_pipeline(opts: DemoOptions, platform: Platform) -> tuple[list[Pipeline
     tokenizer = CharTokenizer.from_text(text)
     config = model_config(tokenizer.vocab_size, opts.seq_len)
     weights = init_gpt_weights(config, seed=opts.seed)
-    schedule_class, chunks = SCHEDULES[opts.schedule]
-    n, r = platform.world_size, platform.rank
-    num_stages = n * chunks
+    schedule_class, chunks = SCHEDULES[opts.schedule][0], opts.chunks
+    assert chunks is not None  # DemoOptions resolved it
+    placement = schedule_class.stage_placement(platform.world_size, chunks)  # looped, or V (zbv, dualpipev)
+    num_stages = len(placement)
     stages = []
-    for c in range(chunks):
-        s = c * n + r
+    for s in sorted(st for st, rank in placement.items() if rank == platform.rank):
         ties = {}
         if s == 0:
             ties = {"embedding": TIED_PARAMS[0]}
@@ -111,7 +156,7 @@ def build_pipeline(opts: DemoOptions, platform: Platform) -> tuple[list[Pipeline
             ties = {"embedding": TIED_PARAMS[1]}
         stages.append(PipelineStage(models.GPTStage(config, s, num_stages, weights), s, num_stages,
                                     shared_parameters=ties))
-    schedule = schedule_class(stages if chunks > 1 else stages[0], opts.micro_batches,
+    schedule = schedule_class(stages if schedule_class.max_chunks > 1 else stages[0], opts.micro_batches,
                               loss_fn=models.cross_entropy_loss)
     return stages, schedule, (config, np.asarray(tokenizer.encode(text), dtype=np.int64))
 
@@ -155,3 +200,31 @@ def train_worker(opts: DemoOptions, verbose: bool = True) -> dict[str, Any]:
             st.zero_grad()
     return {"rank": p.rank, "losses": step_losses, "max_grad_diff": grad_diff,
             "peak_activations": schedule.peak_activations}
+
+
+@contextlib.contextmanager
+def mindspore_mode(graph: bool) -> Iterator[None]:
+    """MindSpore's ``GRAPH_MODE`` (or ``PYNATIVE_MODE``) for the body, the previous mode after it.
+
+    The mode is process-wide, so it is set around the whole LocalCluster job, not in a rank.
+    """
+    import mindspore as ms
+
+    old = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE if graph else ms.PYNATIVE_MODE)
+    try:
+        yield
+    finally:
+        ms.set_context(mode=old)
+
+
+def run_on_local_cluster(opts: DemoOptions, verbose: bool = True) -> list[dict[str, Any]]:
+    """The MindSpore demo: every rank of ``opts`` on one LocalCluster, in GRAPH_MODE if asked.
+
+    In GRAPH_MODE the platform runs each stage step as compiled graphs (``ms.jit``) recorded by
+    MindSpore's autograd engine, so the gradient check at the end covers the compiled stages.
+    """
+    from hyper_parallel.platform.local import LocalCluster
+
+    with mindspore_mode(opts.graph_mode):
+        return LocalCluster(opts.ranks, platform="mindspore").run(train_worker, opts, verbose)

@@ -1,0 +1,71 @@
+"""The built-in runtime handler of ``OVERLAP_B_F`` / ``OVERLAP_F_B`` steps on a `CommComputeOverlap`.
+
+A schedule given ``comm_compute_overlap=overlap`` runs every overlap pair through
+``overlap.run(forward, backward)``: the forward and the backward run on two helper threads of
+the rank that take turns at the sync points of the MoE layers wrapped by ``overlap``
+(``wrap_dispatch`` / ``wrap_combine``), so one side's all-to-all is in flight while the other
+side computes. Each side runs its sub-step exactly as the runtime would run it alone, including
+the wait for its received input (a forward's activation, a backward's output gradient); the
+receives themselves were posted before the pair, as for any compute step.
+
+Without wrapped layers there are no sync points: the backward side (it holds the first turn)
+runs to its end, then the forward side runs, the same as running the two sub-steps in
+sequence. Without ``comm_compute_overlap`` the runtime runs the sub-steps in sequence itself.
+``schedule.register_custom_function(MetaStepType.OVERLAP_B_F, fn)`` overrides this handler;
+``ctx.run_default(step)`` in ``fn`` runs it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.overlap import CommComputeOverlap, OverlapError
+from hyper_parallel.platform.base import WaitAborted
+
+if TYPE_CHECKING:
+    from hyper_parallel.core.pipeline_parallel.runtime import PipelineRuntime
+    from hyper_parallel.core.pipeline_parallel.schedule import PipelineSchedule
+
+_T = MetaStepType
+_BACKWARDS = frozenset({_T.BWD, _T.BWD_INPUT, _T.BWD_WEIGHT})
+
+
+def split_pair(step: MetaStep) -> tuple[MetaStep, MetaStep]:
+    """``(backward, forward)`` of an overlap step, whatever the order of its sub-steps."""
+    subs = step.sub_steps or ()
+    forwards = [s for s in subs if s.meta_type is _T.FWD]
+    backwards = [s for s in subs if s.meta_type in _BACKWARDS]
+    if len(subs) != 2 or len(forwards) != 1 or len(backwards) != 1:
+        raise ValueError(f"{step}: an overlap step must hold one forward and one backward")
+    return backwards[0], forwards[0]
+
+
+class OverlapPairHandler:
+    """Runs one overlap step of a `PipelineRuntime` through ``overlap.run``."""
+
+    def __init__(self, overlap: CommComputeOverlap) -> None:
+        if not isinstance(overlap, CommComputeOverlap):
+            raise TypeError(f"comm_compute_overlap must be a CommComputeOverlap, got {overlap!r}")
+        self.overlap = overlap
+
+    def __call__(self, runtime: PipelineRuntime, step: MetaStep) -> None:
+        backward, forward = split_pair(step)
+        try:
+            self.overlap.run(
+                lambda: runtime.run_step(forward),
+                lambda: runtime.run_step(backward),
+                forward_micro=forward.micro_index,
+                backward_micro=backward.micro_index,
+            )
+        except OverlapError as exc:  # names the side and its micro-batch; a StageError cause names the step
+            if isinstance(exc.error, WaitAborted):  # the job stops: the error that says why is elsewhere
+                raise exc.error from None
+            raise
+
+
+def enable_comm_compute_overlap(schedule: PipelineSchedule, overlap: Any) -> None:
+    """Run the schedule's overlap steps through ``overlap`` (see the module docstring)."""
+    handler = OverlapPairHandler(overlap)
+    schedule.add_feature(handlers={_T.OVERLAP_B_F: handler, _T.OVERLAP_F_B: handler})
+    schedule.comm_compute_overlap = overlap

@@ -1,0 +1,278 @@
+"""Step traces: the record format, merging, Chrome/Perfetto export, plan-versus-run comparison.
+
+A trace is a list of records, one per step a rank ran::
+
+    {"rank": 0, "step": "F.s0.m1", "kind": "compute", "start": 0.0132, "end": 0.0151}
+
+- ``rank``: the pipeline rank (position in the pipeline group);
+- ``step``: the step's text form (``str(MetaStep)``);
+- ``kind``: ``compute`` (F/B/I/W/OVERLAP), ``p2p-issue`` (posting a send/recv or BATCH),
+  ``p2p-wait`` (the rank's thread blocked on a receive; ``step`` names the receive), and in
+  simulated traces also ``p2p`` (a message in flight, sender's rank);
+- ``start`` / ``end``: seconds from a common origin (all ranks' clocks aligned at the start
+  of the run; see `tracing.StepTracer`). Simulated traces (``SimulationResult.records``) use
+  milliseconds: every function here takes the ``unit`` of its records.
+
+Trace files: ``{"format": "hyper-parallel-trace/1", "unit": "s", "records": [...]}`` (a bare
+list of records reads as seconds), or a Chrome trace written by `chrome_trace` (one process per
+rank, one slice per step), which `load_trace` reads back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .ir import MetaStep
+
+FORMAT = "hyper-parallel-trace/1"
+KINDS = ("compute", "p2p-issue", "p2p-wait", "p2p")
+UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
+Record = dict[str, Any]
+
+
+def check_record(record: Any, where: str = "record") -> Record:
+    """Return the record with numbers as floats; ValueError naming the bad field."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} must be a dict, got {type(record).__name__}")
+    missing = [k for k in ("rank", "step", "kind", "start", "end") if k not in record]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)}: {record!r}")
+    rank = record["rank"]
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"{where}: rank must be an int >= 0, got {rank!r}")
+    if record["kind"] not in KINDS:
+        raise ValueError(f"{where}: kind must be one of {', '.join(KINDS)}, got {record['kind']!r}")
+    start, end = record["start"], record["end"]
+    for name, value in (("start", start), ("end", end)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: {name} must be a number, got {value!r}")
+    if end < start:
+        raise ValueError(f"{where}: ends ({end}) before it starts ({start})")
+    return {**record, "step": str(record["step"]), "start": float(start), "end": float(end)}
+
+
+def merge_records(per_rank: Iterable[Iterable[Record]]) -> list[Record]:
+    """All ranks' records in one list, checked, sorted by (start, rank)."""
+    merged = [check_record(r, f"record {k} of part {n}") for n, part in enumerate(per_rank)
+              for k, r in enumerate(part)]
+    merged.sort(key=lambda r: (r["start"], r["rank"], r["end"]))
+    return merged
+
+
+def convert(records: Iterable[Record], unit: str, to: str) -> list[Record]:
+    """The records with their times changed from ``unit`` to ``to`` (``s``, ``ms``, ``us``)."""
+    for u in (unit, to):
+        if u not in UNITS:
+            raise ValueError(f"unknown time unit {u!r}; valid: {', '.join(UNITS)}")
+    factor = UNITS[unit] / UNITS[to]
+    return [{**r, "start": r["start"] * factor, "end": r["end"] * factor} for r in records]
+
+
+# ---------------------------------------------------------------------- Chrome / Perfetto
+
+
+def chrome_trace(records: Sequence[Record], unit: str = "s", label: str = "", pid_offset: int = 0
+                 ) -> dict[str, Any]:
+    """Chrome trace JSON (open in Perfetto or chrome://tracing): one process per rank named
+    ``{label} rank r``; its thread ``steps`` holds one complete event per compute, p2p-issue
+    and p2p-wait record (``cat`` = the kind); messages in flight (``p2p``) are async slices."""
+    events: list[dict[str, Any]] = []
+    to_us = UNITS[unit] / UNITS["us"] if unit in UNITS else None
+    if to_us is None:
+        raise ValueError(f"unknown time unit {unit!r}; valid: {', '.join(UNITS)}")
+    ranks = sorted({r["rank"] for r in records})
+    prefix = f"{label} " if label else ""
+    for rank in ranks:
+        pid = pid_offset + rank
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"{prefix}rank {rank}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "steps"}})
+    for n, record in enumerate(records):
+        r = check_record(record, f"record {n}")
+        pid = pid_offset + r["rank"]
+        ts, dur = r["start"] * to_us, (r["end"] - r["start"]) * to_us
+        if r["kind"] == "p2p":
+            common = {"cat": "p2p", "name": r["step"], "pid": pid, "tid": 0, "id": n}
+            events.append({**common, "ph": "b", "ts": ts})
+            events.append({**common, "ph": "e", "ts": ts + dur})
+        else:
+            events.append({"ph": "X", "cat": r["kind"], "name": r["step"], "pid": pid, "tid": 0, "ts": ts,
+                           "dur": dur, "args": {"kind": r["kind"], "start_s": r["start"] * UNITS[unit]}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def combined_chrome_trace(planned: Sequence[Record] | None, measured: Sequence[Record] | None,
+                          planned_unit: str = "ms", measured_unit: str = "s") -> dict[str, Any]:
+    """One Chrome trace holding a plan (processes ``plan rank r``) and a measured run
+    (``run rank r``, process ids from 1000) for side-by-side viewing."""
+    events: list[dict[str, Any]] = []
+    if planned:
+        events += chrome_trace(planned, planned_unit, "plan", 0)["traceEvents"]
+    if measured:
+        events += chrome_trace(measured, measured_unit, "run", 1000)["traceEvents"]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def records_from_chrome(trace: dict[str, Any]) -> dict[str, list[Record]]:
+    """Records (in seconds) per label (``""`` when unlabeled) read back from a Chrome trace
+    written by `chrome_trace` / `combined_chrome_trace`."""
+    events = trace.get("traceEvents")
+    if not isinstance(events, list):
+        raise ValueError("not a Chrome trace: no traceEvents list")
+    names: dict[int, str] = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            names[e["pid"]] = str(e.get("args", {}).get("name", ""))
+    out: dict[str, list[Record]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        name = names.get(e["pid"], f"rank {e['pid']}")
+        label, _, rank = name.rpartition("rank ")
+        try:
+            rank_id = int(rank)
+        except ValueError:
+            rank_id = int(e["pid"])
+        kind = e.get("cat") if e.get("cat") in KINDS else "compute"
+        start = float(e["ts"]) * 1e-6
+        out[label.strip()].append({"rank": rank_id, "step": str(e.get("name", "")), "kind": kind, "start": start,
+                                   "end": start + float(e.get("dur", 0.0)) * 1e-6})
+    return {label: merge_records([records]) for label, records in out.items()}
+
+
+# ---------------------------------------------------------------------- files
+
+
+def save_trace(records: Sequence[Record], path: str | os.PathLike[str], unit: str = "s") -> None:
+    """Write records as a trace file (``.json``; ``unit`` of the records is kept)."""
+    checked = [check_record(r, f"record {k}") for k, r in enumerate(records)]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"format": FORMAT, "unit": unit, "records": checked}, f)
+        f.write("\n")
+
+
+def load_trace(path: str | os.PathLike[str]) -> dict[str, list[Record]]:
+    """Records in seconds per label from a trace file, a bare list of records, or a Chrome
+    trace written by this module (labels ``plan`` / ``run`` when it holds both)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if isinstance(data, list):
+        return {"": merge_records([data])}
+    if isinstance(data, dict) and "traceEvents" in data:
+        return records_from_chrome(data)
+    if isinstance(data, dict) and "records" in data:
+        if data.get("format", FORMAT) != FORMAT:
+            raise ValueError(f"{path}: unknown trace format {data.get('format')!r}")
+        unit = data.get("unit", "s")
+        return {"": convert(merge_records([data["records"]]), unit, "s")}
+    raise ValueError(f"{path}: neither a trace file, a list of records nor a Chrome trace")
+
+
+# ---------------------------------------------------------------------- plan versus run
+
+
+def makespan(records: Sequence[Record]) -> float:
+    """From the earliest start to the latest end of the records."""
+    if not records:
+        return 0.0
+    return max(r["end"] for r in records) - min(r["start"] for r in records)
+
+
+def compute_order(records: Sequence[Record]) -> dict[int, list[str]]:
+    """Per rank, the compute steps in the order they ran."""
+    order: dict[int, list[tuple[float, str]]] = defaultdict(list)
+    for r in records:
+        if r["kind"] == "compute":
+            order[r["rank"]].append((r["start"], r["step"]))
+    return {rank: [step for _, step in sorted(steps)] for rank, steps in sorted(order.items())}
+
+
+def summarize(records: Sequence[Record]) -> dict[str, Any]:
+    """Makespan, busy time and bubble fraction per rank and overall (in the records' unit)."""
+    span = makespan(records)
+    busy: dict[int, float] = defaultdict(float)
+    for r in records:
+        busy[r["rank"]] += (r["end"] - r["start"]) if r["kind"] == "compute" else 0.0
+    ranks = sorted({r["rank"] for r in records})
+    per_rank = {rank: (1.0 - busy[rank] / span if span > 0 else 0.0) for rank in ranks}
+    overall = 1.0 - sum(busy.values()) / (len(ranks) * span) if span > 0 and ranks else 0.0
+    return {"makespan": span, "busy": {r: busy[r] for r in ranks}, "bubble_per_rank": per_rank,
+            "bubble_fraction": overall}
+
+
+def step_times(records: Sequence[Record]) -> dict[tuple[str, int], list[float]]:
+    """Durations of compute steps per (type code, stage): ``("F", 0) -> [...]`` (an OVERLAP
+    pair is listed under its own code)."""
+    out: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for r in records:
+        if r["kind"] != "compute":
+            continue
+        step = MetaStep.from_str(r["step"])
+        stage = step.stage_index if step.stage_index is not None else step.parts[0].stage_index
+        out[(step.meta_type.code, stage)].append(r["end"] - r["start"])
+    return dict(out)
+
+
+def compare(measured: Sequence[Record], planned: Sequence[Record], measured_unit: str = "s",
+            planned_unit: str = "ms") -> dict[str, Any]:
+    """How a measured run differs from its plan (times in milliseconds).
+
+    Returns the makespans and their ratio, bubble fractions per rank and overall, the median
+    time of each (step type, stage) in both, and per rank the first place where the order of
+    compute steps differs (``None`` when the run followed the plan).
+    """
+    run = convert(measured, measured_unit, "ms")
+    plan = convert(planned, planned_unit, "ms")
+    run_sum, plan_sum = summarize(run), summarize(plan)
+    run_times, plan_times = step_times(run), step_times(plan)
+    steps = []
+    for key in sorted(set(run_times) | set(plan_times), key=lambda k: (k[1], k[0])):
+        got = statistics.median(run_times[key]) if key in run_times else None
+        want = statistics.median(plan_times[key]) if key in plan_times else None
+        steps.append({"step": key[0], "stage": key[1], "measured_ms": got, "planned_ms": want,
+                      "ratio": got / want if got is not None and want else None})
+    run_order, plan_order = compute_order(run), compute_order(plan)
+    order = {}
+    for rank in sorted(set(run_order) | set(plan_order)):
+        mine, theirs = run_order.get(rank, []), plan_order.get(rank, [])
+        first = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        if first is None and len(mine) != len(theirs):
+            first = min(len(mine), len(theirs))
+        order[rank] = None if first is None else {
+            "index": first, "measured": mine[first] if first < len(mine) else None,
+            "planned": theirs[first] if first < len(theirs) else None}
+    ratio = run_sum["makespan"] / plan_sum["makespan"] if plan_sum["makespan"] else None
+    return {
+        "measured_makespan_ms": run_sum["makespan"], "planned_makespan_ms": plan_sum["makespan"],
+        "makespan_ratio": ratio,
+        "measured_bubble_fraction": run_sum["bubble_fraction"], "planned_bubble_fraction": plan_sum["bubble_fraction"],
+        "bubble_per_rank": {rank: {"measured": run_sum["bubble_per_rank"].get(rank),
+                                   "planned": plan_sum["bubble_per_rank"].get(rank)}
+                            for rank in sorted(set(run_sum["bubble_per_rank"]) | set(plan_sum["bubble_per_rank"]))},
+        "steps": steps,
+        "order_mismatch": order,
+    }
+
+
+def costs_from_records(records: Sequence[Record], num_stages: int, unit: str = "s") -> Any:
+    """A `CostModel` from a measured run: per stage the median F, B, I, W times (ms); what
+    the run did not contain keeps the model's defaults."""
+    from .costs import CostModel, StageCost
+
+    times = step_times(convert(records, unit, "ms"))
+    stages = []
+    for s in range(num_stages):
+        fields = {code: statistics.median(times[(code, s)]) for code in ("F", "B", "I", "W") if (code, s) in times}
+        if "B" in fields and ("I" in fields) != ("W" in fields):
+            fields.pop("I", None)
+            fields.pop("W", None)
+        stages.append(StageCost(**fields))
+    return CostModel(stages=tuple(stages))
