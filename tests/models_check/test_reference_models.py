@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from hyper_parallel.platform.model_spec import (
+from hyper_parallel.demo.gpt import (
     TIED_PARAMS,
     CharTokenizer,
     GPTConfig,
@@ -23,8 +23,8 @@ from hyper_parallel.platform.model_spec import (
 torch = pytest.importorskip("torch")
 ms = pytest.importorskip("mindspore")
 
-from hyper_parallel.platform.mindspore import models as msm  # noqa: E402
-from hyper_parallel.platform.torch import models as thm  # noqa: E402
+from hyper_parallel.demo import gpt_mindspore as msm  # noqa: E402
+from hyper_parallel.demo import gpt_torch as thm  # noqa: E402
 
 VOCAB, SEQ = 32, 8
 CONFIGS = [

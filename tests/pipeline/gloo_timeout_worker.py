@@ -12,7 +12,7 @@ from pp_harness import batch, models, small_config
 
 from hyper_parallel import MetaStepType, PipelineStage, Schedule1F1B
 from hyper_parallel.platform import get_platform
-from hyper_parallel.platform.model_spec import init_gpt_weights
+from hyper_parallel.demo.gpt import init_gpt_weights
 
 
 def main(out_dir: str, mode: str) -> None:

@@ -20,7 +20,7 @@ from hyper_parallel.core.pipeline_parallel.schedule import (
 )
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 from hyper_parallel.platform import get_platform
-from hyper_parallel.platform.model_spec import TIED_PARAMS, GPTConfig, init_gpt_weights
+from hyper_parallel.demo.gpt import TIED_PARAMS, GPTConfig, init_gpt_weights
 
 SCHEDULES = {  # name -> (class, chunks per rank)
     "gpipe": (ScheduleGPipe, 1),
@@ -32,7 +32,7 @@ TOL = {"torch": dict(rtol=0.0, atol=1e-5), "mindspore": dict(rtol=1e-5, atol=1e-
 
 
 def models(framework: str) -> Any:
-    return importlib.import_module(f"hyper_parallel.platform.{framework}.models")
+    return importlib.import_module(f"hyper_parallel.demo.gpt_{framework}")
 
 
 def small_config(**kw: Any) -> GPTConfig:
@@ -73,11 +73,10 @@ def run_job(job: Job) -> dict[str, Any]:
     mod = models(p.name)
     weights = init_gpt_weights(job.config, job.seed)
     cls, chunks = SCHEDULES[job.schedule]
-    n = p.world_size
-    num_stages = n * chunks
+    placement = cls.stage_placement(p.world_size, chunks)  # looped, or V for the V schedules
+    num_stages = len(placement)
     stages = []
-    for c in range(chunks):
-        s = c * n + p.rank
+    for s in sorted(st for st, r in placement.items() if r == p.rank):
         module = mod.GPTStage(job.config, s, num_stages, weights)
         if s == 0 and job.wrap_first is not None:
             module = job.wrap_first(module)

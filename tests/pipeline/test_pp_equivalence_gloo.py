@@ -92,3 +92,25 @@ def test_losses_only_on_last_rank(ranks, schedule, micro):
         got = [len(r["losses"][0]) if r["losses"] and r["losses"][0] else 0 for r in results]
         expected = [micro if r == last else 0 for r in range(P)]
         assert got == expected, f"{schedule}, m={micro}, variant={variant}: losses per rank {got}, expected {expected}"
+
+
+@pytest.mark.timeout(400)
+def test_torch_pipelining_pattern_runs_unchanged_with_the_same_gradients(tmp_path):
+    # torch.distributed.pipelining's documented usage, once with its classes and once with ours
+    # (only the import differs), on 4 gloo processes: losses, merged outputs and every gradient.
+    import json
+
+    run_torchrun(os.path.join(HERE, "torch_pipelining_parity_worker.py"), 4, str(tmp_path), timeout=300)
+    for rank in range(4):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for name, by_lib in results.items():
+            theirs, ours = by_lib["torch.distributed.pipelining"], by_lib["hyper_parallel"]
+            np.testing.assert_allclose(ours["losses"], theirs["losses"], rtol=1e-6, atol=1e-7, err_msg=name)
+            assert (ours["output"] is None) == (theirs["output"] is None), name
+            if theirs["output"] is not None:
+                np.testing.assert_allclose(ours["output"], theirs["output"], rtol=1e-6, atol=1e-7, err_msg=name)
+            assert ours["grads"].keys() == theirs["grads"].keys()
+            for param, grad in theirs["grads"].items():
+                np.testing.assert_allclose(ours["grads"][param], grad, rtol=1e-5, atol=1e-7, err_msg=f"{name} {param}")
+        if rank == 3:
+            assert all(len(r["hyper_parallel"]["losses"]) == 8 for r in results.values())

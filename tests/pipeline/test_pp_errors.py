@@ -14,7 +14,7 @@ from hyper_parallel import (
 )
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster, RankFailedError
-from hyper_parallel.platform.model_spec import init_gpt_weights
+from hyper_parallel.demo.gpt import init_gpt_weights
 
 CONFIG = small_config()
 WEIGHTS = init_gpt_weights(CONFIG, 0)
@@ -84,7 +84,7 @@ def test_indivisible_batch_names_argument_size_and_micro_batch_num():
     tokens, targets = (torch.from_numpy(a) for a in batch(CONFIG, 6))
     loss = models("torch").cross_entropy_loss
     _raises(lambda: _run_one(loss, tokens, targets), ValueError,
-            "argument 0 has size 6 along dim 0, which does not divide into micro_batch_num=4")
+            r"args\[0\] has size 6 along dim 0, which does not divide into micro_batch_num=4")
     good_tokens = torch.from_numpy(batch(CONFIG, 8)[0])
     _raises(lambda: _run_one(loss, good_tokens, targets), ValueError,
             "target has size 6 along dim 0, which does not divide into micro_batch_num=4")
@@ -103,7 +103,8 @@ def test_loss_checks():
             r"the loss of micro-batch 0 must be a scalar tensor, got \(16,\)")
     _raises(lambda: _run_one(None, tokens, None), ValueError, r"must be a scalar tensor, got \(2, 8, 24\)")
     _raises(lambda: _run_one(None, tokens, targets), ValueError, "got a target but the schedule has no loss_fn")
-    _raises(lambda: _run_one(mod.cross_entropy_loss, tokens, targets, swap=True), NotImplementedError, "swap")
+    _raises(lambda: _run_one(mod.cross_entropy_loss, tokens, targets, swap=True, swap_threshold=1), ValueError,
+            "swap_threshold must be >= 2 compute slots")
     _raises(lambda: _run_one(None, tokens, None, output_concat_dim=0), ValueError, "output_concat_dim needs a loss_fn")
 
 
@@ -117,21 +118,41 @@ def test_ranks_that_built_different_schedules_are_named():
         LocalCluster(2, platform="torch", timeout=30).run(_different_micro_batch_counts)
 
 
-def _shape_changes_without_dyn_shape():
+def _shape_changes_within_a_run():
     import torch
+    from mlp_harness import MatrixJob, batch, build_stages, mse
 
-    p = get_platform()
-    mod = models("torch")
-    schedule = Schedule1F1B(_stage(p.rank, 2), 2, loss_fn=mod.cross_entropy_loss)
-    for seq in (8, 5):
-        tokens, targets = (torch.from_numpy(a) for a in batch(CONFIG, 4, seq=seq))
-        schedule.run(tokens, target=targets)
+    job = MatrixJob(Schedule1F1B, 1, 4, vary=True)  # stage 0's output width depends on the micro-batch
+    stages = build_stages(job, 2, {0: 0, 1: 1})
+    schedule = Schedule1F1B(stages[0], 4, loss_fn=mse)
+    x, y = (torch.from_numpy(a) for a in batch(job.size(), job.micro, True))
+    schedule.run(x, target=y if stages[0].is_last else None)
 
 
-def test_static_shapes_that_change_name_both_ranks():
-    with pytest.raises(RankFailedError, match=r"stage 0 on rank 0 produced \(float32\[2, 5, 16\]\) for micro-batch 0, "
-                       r"but the shapes agreed with stage 1 on rank 1 are \(float32\[2, 8, 16\]\)"):
-        LocalCluster(2, platform="torch", timeout=30).run(_shape_changes_without_dyn_shape)
+def test_static_shapes_that_change_within_a_run_name_both_ranks():
+    with pytest.raises(RankFailedError, match=r"stage 0 on rank 0 produced \(float32\[2, 4\], float32\[2, 4\]\) for "
+                       r"micro-batch 1, but the shapes agreed with stage 1 on rank 1 for the first micro-batch of this "
+                       r"run are \(float32\[2, 3\], float32\[2, 3\]\)"):
+        LocalCluster(2, platform="torch", timeout=30).run(_shape_changes_within_a_run)
+
+
+def test_static_shapes_may_change_from_run_to_run():
+    import torch
+    from mlp_harness import MatrixJob, batch, build_stages, check, mse
+
+    def body(size):
+        job = MatrixJob(Schedule1F1B, 1, 2, batch_size=size)
+        stages = build_stages(job, 2, {0: 0, 1: 1})
+        schedule = Schedule1F1B(stages[0], 2, loss_fn=mse)
+        for run_size in (8, size):  # a first run with another batch size, then the one checked
+            schedule.zero_grad()
+            x, y = (torch.from_numpy(a) for a in batch(run_size, 2, False))
+            losses = schedule.run(x, target=y if stages[0].is_last else None)
+        grads = {f"{st.stage_index}.{n}": g.numpy() for st in stages for n, g in st.named_gradients().items()}
+        return {"losses": [float(v) for v in losses], "grads": grads}
+
+    job = MatrixJob(Schedule1F1B, 1, 2, batch_size=4)
+    check(job, LocalCluster(2).run(body, 4), 2)
 
 
 def _dyn_shape_disagrees():
@@ -145,8 +166,8 @@ def _dyn_shape_disagrees():
 
 
 def test_neighbours_that_disagree_on_dyn_shape_are_named():
-    with pytest.raises(RankFailedError, match="stage 0 on rank 0 has dyn_shape=True but stage 1 on rank 1 has "
-                       "dyn_shape=False"):
+    with pytest.raises(RankFailedError, match="pipeline ranks disagree on dyn_shape: rank 0 has True but rank 1 "
+                       "has False"):
         LocalCluster(2, platform="torch", timeout=30).run(_dyn_shape_disagrees)
 
 
@@ -157,7 +178,7 @@ def test_errors_are_the_same_on_mindspore():
         stage = PipelineStage(models("mindspore").GPTStage(CONFIG, 0, 1, WEIGHTS), 0, 1)
         schedule = ScheduleGPipe(stage, 4, loss_fn=models("mindspore").cross_entropy_loss)
         tokens, targets = batch(CONFIG, 6)
-        with pytest.raises(ValueError, match="argument 0 has size 6 along dim 0, which does not divide into "
+        with pytest.raises(ValueError, match=r"args\[0\] has size 6 along dim 0, which does not divide into "
                            "micro_batch_num=4"):
             schedule.run(ms.Tensor(tokens), target=ms.Tensor(targets))
         with pytest.raises(ValueError, match=r"stage_index must be in \[0, 1\), got 1"):

@@ -21,7 +21,7 @@ from pp_harness import (
 from hyper_parallel import BatchDimSpec, MetaStepType
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster
-from hyper_parallel.platform.model_spec import init_gpt_weights
+from hyper_parallel.demo.gpt import init_gpt_weights
 
 P = 4
 FRAMEWORKS = ["torch", "mindspore"]

@@ -4,16 +4,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyper_parallel.core.pipeline_parallel.ir import (
-    MetaStep,
-    MetaStepType,
-    consumes,
+from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType, consumes, message_key, produces
+from hyper_parallel.core.pipeline_parallel.schedule_csv import (
     format_schedule_csv,
     load_schedule_csv,
-    message_key,
     parse_cell,
     parse_schedule_csv,
-    produces,
     save_schedule_csv,
 )
 
@@ -33,19 +29,25 @@ steps = st.recursive(
 
 def test_codes_are_unique_and_documented_ones_match():
     codes = [t.code for t in T]
-    assert len(set(codes)) == len(codes) == 18
+    assert len(set(codes)) == len(codes) == 26
     assert (T.FWD.code, T.BWD.code, T.BWD_INPUT.code, T.BWD_WEIGHT.code) == ("F", "B", "I", "W")
     assert (T.FWD_SEND.code, T.FWD_RECV.code) == ("SEND_F", "RECV_F")
     assert (T.BWD_SEND.code, T.BWD_RECV.code) == ("SEND_B", "RECV_B")
+    assert (T.META_SEND.code, T.META_RECV.code) == ("SEND_META", "RECV_META")
     assert T.BATCH_SEND_RECV.code == "BATCH"
     assert T.OVERLAP_B_F.code == "OVERLAP_B_F"
+    assert (T.PRE_FWD.code, T.PRE_BWD.code, T.PRE_SEND.code, T.PRE_RECV.code, T.PRE_GRAD_SEND.code,
+            T.PRE_GRAD_RECV.code) == ("PF", "PB", "SEND_P", "RECV_P", "SEND_PG", "RECV_PG")
 
 
 def test_compute_and_comm_properties():
     compute = {t for t in T if t.is_compute}
     comm = {t for t in T if t.is_comm}
     assert compute == {T.FWD, T.BWD, T.BWD_INPUT, T.BWD_WEIGHT, T.OVERLAP_B_F, T.OVERLAP_F_B}
-    assert comm == {T.FWD_SEND, T.FWD_RECV, T.BWD_SEND, T.BWD_RECV, T.BATCH_SEND_RECV}
+    assert comm == {
+        T.FWD_SEND, T.FWD_RECV, T.BWD_SEND, T.BWD_RECV, T.META_SEND, T.META_RECV, T.BATCH_SEND_RECV,
+    }
+    assert {t for t in T if t.is_meta} == {T.META_SEND, T.META_RECV}
     assert not compute & comm
     assert not (T.FSDP_UNSHARD.is_compute or T.FSDP_UNSHARD.is_comm)
 

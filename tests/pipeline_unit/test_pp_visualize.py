@@ -47,3 +47,70 @@ def test_infer_stage_to_rank():
     clash = {0: [MetaStep.from_str("F.s0.m0")], 1: [MetaStep.from_str("B.s0.m0")]}
     with pytest.raises(ValueError, match="stage 0 appears on ranks 0 and 1"):
         infer_stage_to_rank(clash)
+
+
+def _interleaved_result():
+    from hyper_parallel.core.pipeline_parallel.catalog import available_schedules
+    from hyper_parallel.core.pipeline_parallel.simulate import simulate_schedule
+
+    return simulate_schedule(available_schedules()["interleaved-1f1b"], 4, 2, 8)[1]
+
+
+def test_wide_chart_wraps_within_the_width():
+    result = _interleaved_result()
+    full = ascii_chart(result, mode="full")
+    assert max(len(line) for line in full.splitlines()) > 200
+    wrapped = ascii_chart(result, width=120)
+    lines = wrapped.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    assert sum(line.startswith("time") for line in lines) == 3  # three blocks
+    assert lines[1].startswith("rank 0 |F0.0 F1.0 F2.0 F3.0 F0.1")
+    assert lines[-1] == "makespan 28.5, bubble 15.8%, peak activations r0=11 r1=9 r2=7 r3=5"
+    # the blocks put together give back the full rows
+    full_rows = {ln[:6]: ln[8:] for ln in full.splitlines() if ln.startswith("rank")}
+    pieces: dict[str, str] = {}
+    for ln in lines:
+        if ln.startswith("rank"):
+            pieces[ln[:6]] = pieces.get(ln[:6], "") + ln[8:].ljust(110)
+    assert all(pieces[k].rstrip().startswith(v.rstrip()[:100]) for k, v in full_rows.items())
+
+
+def test_compact_chart_one_character_per_slot():
+    result = _interleaved_result()
+    chart = ascii_chart(result, mode="compact", width=80)
+    rows = [ln for ln in chart.splitlines() if ln.startswith("rank")]
+    assert len(rows) == 4 and max(len(ln) for ln in chart.splitlines() if not ln.startswith("one")) <= 80
+    # slot 0.5 ms = one forward of a chunk; a backward takes two slots
+    assert rows[3].startswith("rank 3 |...FFFFFBbFBb")
+    assert "one column = 0.5 ms" in chart
+    squeezed = ascii_chart(result, mode="compact", width=40)
+    assert "each column shows what filled most of it" in squeezed
+    assert max(len(ln) for ln in squeezed.splitlines() if ln.startswith(("rank", "time"))) <= 40
+
+
+def test_bad_mode():
+    with pytest.raises(ValueError, match="unknown chart mode 'wide'"):
+        ascii_chart(_interleaved_result(), mode="wide")
+
+
+def test_png_and_svg(tmp_path):
+    pytest.importorskip("matplotlib")
+    from hyper_parallel.core.pipeline_parallel.visualize import plot_timelines
+
+    result = _interleaved_result()
+    plot_timelines(tmp_path / "a.png", [("plan", result.records, "ms"), ("run", result.records, "ms")])
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plot_timelines(tmp_path / "a.svg", [("plan", result.records, "ms")])
+    assert b"<svg" in (tmp_path / "a.svg").read_bytes()[:500]
+    with pytest.raises(ValueError, match="use a .png or .svg name"):
+        plot_timelines(tmp_path / "a.gif", [("plan", result.records, "ms")])
+
+
+def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
+    import sys
+
+    from hyper_parallel.core.pipeline_parallel.visualize import plot_timelines
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'hyper-parallel\[viz\]'"):
+        plot_timelines(tmp_path / "a.png", [("plan", _interleaved_result().records, "ms")])

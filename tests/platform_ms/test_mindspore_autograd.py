@@ -176,17 +176,17 @@ def test_multiple_outputs_kwargs_and_non_tensor_args(plat: MindSporePlatform) ->
     def fn(a: Any, b: Any, m: Any, power: int, *, shift: Any, label: str) -> Any:
         assert power == 2 and label == "stage"
         h = dense(a) * m + b + shift
-        return {"h": h, "meta": label, "aux": (h ** power).sum(axis=1), "unused": ops.tanh(a)}
+        return h, label, (h ** power).sum(axis=1), ops.tanh(a)
 
     rec = plat.stage_forward(fn, (x, y, mask, 2), {"shift": bias, "label": "stage"}, params,
                              (True, True, False, False))
-    assert len(rec.outputs) == 3 and rec.result["meta"] == "stage"
-    grads = plat.stage_backward(rec, (g_h, g_aux, None))
+    assert len(rec.outputs) == 4 and rec.outputs[1] == "stage"  # a non-tensor output keeps its place
+    grads = plat.stage_backward(rec, (g_h, None, g_aux, None))
     assert len(grads) == 4 and grads[2] is None and grads[3] is None
 
     def ref_fn(a: Any, b: Any) -> Any:
-        out = fn(a, b, mask, 2, shift=bias, label="stage")
-        return (out["h"] * g_h).sum() + (out["aux"] * g_aux).sum()
+        h, _, aux, _ = fn(a, b, mask, 2, shift=bias, label="stage")
+        return (h * g_h).sum() + (aux * g_aux).sum()
 
     (dx, dy), dw = _reference(ref_fn, (x, y), params)
     np.testing.assert_allclose(grads[0].asnumpy(), dx.asnumpy(), rtol=RTOL, atol=ATOL)

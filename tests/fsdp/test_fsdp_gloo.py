@@ -1,0 +1,108 @@
+"""PP x FSDP (torch's own FSDP2) and PP x DP on real torch.distributed gloo processes, mesh pp=2 x dp=2.
+
+Each job is one torchrun of ``fsdp_gloo_worker.py`` (checks combined per job: every job costs ~15 s).
+The oracle is the whole model trained in this process on the whole batch (``dp_harness``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_torchrun
+from dp_harness import TOL, Config, merged_params, oracle, replica_losses
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "fsdp_gloo_worker.py")
+
+
+def _job(tmp_path, *args: str) -> list[dict]:
+    out = str(tmp_path / f"{args[0]}.pkl")
+    run_torchrun(WORKER, 4, args[0], out, *args[1:], timeout=300)
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    return _job(tmp_path_factory.mktemp("train"), "train")
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_three_steps_match_one_rank(trained, mode, schedule):
+    cfg = Config(mode=mode, schedule=schedule)
+    results = [r[(mode, schedule)] for r in trained]
+    ref_losses, ref_params, _ = oracle(cfg)
+    for step in range(cfg.steps):
+        np.testing.assert_allclose(replica_losses(results, cfg, step), ref_losses[step], **TOL["torch"],
+                                   err_msg=f"losses of step {step}")
+    params = merged_params(results)
+    assert set(params) == set(ref_params)
+    for name, value in params.items():
+        np.testing.assert_allclose(value, ref_params[name], **TOL["torch"], err_msg=name)
+
+
+@pytest.mark.parametrize("schedule,stages_per_rank", [("1f1b", 1), ("interleaved", 2)])
+def test_one_gradient_collective_per_stage_per_run(trained, schedule, stages_per_rank):
+    """Counted by the torch profiler over one run of 4 micro-batches: FSDP reduce-scatters (and gathers)
+    once per stage, DP all-reduces once per stage; never once per micro-batch."""
+    for r in trained:
+        fsdp, dp = r[("fsdp", schedule)]["counts"], r[("dp", schedule)]["counts"]
+        assert fsdp == {"c10d::_reduce_scatter_base_": stages_per_rank, "c10d::_allgather_base_": stages_per_rank,
+                        "c10d::allreduce_": 0}
+        assert dp == {"c10d::_reduce_scatter_base_": 0, "c10d::_allgather_base_": 0,
+                      "c10d::allreduce_": stages_per_rank}
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+def test_tied_weight_failed_run_clipping_and_non_finite(trained, mode):
+    results = [r[(mode, "tied")] for r in trained]
+    for r in results:  # each rank reports its own stage's forward
+        assert f"the forward of stage {r['pp']} on micro-batch {3 - r['pp']}" in r["failed"], r["failed"]
+        assert f"injected failure in stage {r['pp']}" in r["failed"]
+    assert all(r["no_grads_after_failure"] for r in results)
+    cfg = Config(mode=mode, tie=True, steps=1)
+    _, _, ref_grads = oracle(cfg)
+    grads = merged_params(results, "grads")
+    assert set(grads) == set(ref_grads[0])
+    for name, value in grads.items():
+        np.testing.assert_allclose(value, ref_grads[0][name], **TOL["torch"], err_msg=name)
+    names = [n for n in ref_grads[0] if n != "head.weight"]  # the non-pipelined model holds the tie once
+    tensors = [torch.nn.Parameter(torch.zeros(ref_grads[0][n].shape)) for n in names]
+    for t, n in zip(tensors, names):
+        t.grad = torch.from_numpy(ref_grads[0][n].copy())
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(tensors, 0.05))
+    assert len({r["norm"] for r in results}) == 1
+    np.testing.assert_allclose(results[0]["norm"], ref_norm, rtol=1e-6)
+    clipped = merged_params(results, "clipped")
+    for t, n in zip(tensors, names):
+        np.testing.assert_allclose(clipped[n], t.grad.numpy(), **TOL["torch"], err_msg=f"clipped {n}")
+    assert [r["finite"] for r in results] == [False] * 4  # only rank 3 holds the inf
+    assert all(r["inf_norm"] == float("inf") for r in results)
+
+
+def test_checkpoint_resumes_bitwise_in_new_processes_and_reshards(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = _job(tmp_path, "save", ckpt)
+    second = _job(tmp_path, "resume", ckpt)
+    cfg = Config(mode="fsdp", steps=4)
+    assert [r["extra"] for r in second] == [{"step": 2}] * 4
+    for step in (2, 3):  # steps 3 and 4, bit for bit
+        assert replica_losses(second, cfg, step) == replica_losses(first, cfg, step)
+    a, b = merged_params(first), merged_params(second)
+    assert set(a) == set(b)
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    # the same checkpoint on pp=4 x dp=1: every parameter as saved, and training goes on the same way
+    saved, resharded = merged_params(first, "at_save"), merged_params(second, "resharded")
+    assert set(saved) == set(resharded)
+    for name in saved:
+        np.testing.assert_array_equal(resharded[name], saved[name], err_msg=name)
+    losses = [r["other_losses"] for r in second if r["other_losses"][2]]
+    assert len(losses) == 1
+    for step in (2, 3):  # micro-batches of the same 2 rows; Adam's state came along with the parameters
+        np.testing.assert_allclose(losses[0][step], replica_losses(first, cfg, step), **TOL["torch"])

@@ -1,0 +1,294 @@
+"""PP x DP and PP x FSDP on LocalCluster (mesh pp=2 x dp=2): torch (this library's sharding, as torch's
+FSDP needs process groups) and MindSpore. The oracle is the whole model trained on one rank with the
+whole batch (``dp_harness``): losses of every micro-batch of every replica, parameters after 3 steps."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from dp_harness import TOL, Config, Trainer, arm_failure, full_value, merged_params, oracle, replica_losses
+
+import hyper_parallel as hp
+from hyper_parallel.core.fully_shard import data_parallel
+from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.local import LocalCluster
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _train(cfg: Config) -> dict:
+    trainer = Trainer(cfg)
+    losses = trainer.train(range(cfg.steps))
+    return {"losses": losses, "params": trainer.full_params(), "dp": trainer.dp_index, "pp": trainer.pp}
+
+
+def _check_training(cfg: Config, results: list[dict]) -> None:
+    ref_losses, ref_params, _ = oracle(cfg)
+    tol = TOL[cfg.framework]
+    for step in range(cfg.steps):
+        np.testing.assert_allclose(replica_losses(results, cfg, step), ref_losses[step], **tol,
+                                   err_msg=f"losses of step {step}")
+    params = merged_params(results)
+    assert set(params) == set(ref_params)
+    for name, value in params.items():
+        np.testing.assert_allclose(value, ref_params[name], **tol, err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "gpipe"])
+def test_torch_pipeline_with_data_parallel_matches_one_rank(mode, schedule):
+    cfg = Config(mode=mode, schedule=schedule)
+    _check_training(cfg, LocalCluster(4).run(_train, cfg))
+
+
+def _sharded_rank(lookahead: int) -> dict:
+    """Parameters live sharded between runs; gathered only inside one; collectives per run counted."""
+    p = get_platform()
+    trainer = Trainer(Config(mode="fsdp", schedule="interleaved", lookahead=lookahead))
+    shapes_before = {n: tuple(p.shape(p.param_data(q))) for n, q in trainer.schedule.named_parameters().items()}
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for name in counts:
+        original = getattr(p, name)
+
+        def counting(*args, _name=name, _original=original, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(p, name, counting)
+    trainer.run(0)
+    for name in counts:
+        delattr(p, name)
+    shapes_after = {n: tuple(p.shape(p.param_data(q))) for n, q in trainer.schedule.named_parameters().items()}
+    order = [str(s) for s in trainer.schedule.exec_order[trainer.pp]]
+    return {"before": shapes_before, "after": shapes_after, "counts": counts, "order": order}
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_sharded_between_runs_and_one_collective_of_each_kind_per_stage_per_run(lookahead):
+    results = LocalCluster(4).run(_sharded_rank, lookahead)
+    for r in results:
+        assert r["before"] == r["after"]
+        # weights (8, 8) are split in 2 row blocks, biases (8,) too; the (1, 8) gain stays whole
+        assert all(shape[0] in (1, 4) for shape in r["before"].values()), r["before"]
+        unshards = sum(1 for s in r["order"] if s.startswith("FSDP_UNSHARD"))
+        # interleaved, 2 stages per rank: a window of 2 holds both for the whole run, a window of 1
+        # gathers again at every switch between them
+        assert unshards == 2 if lookahead == 2 else unshards > 2
+        # one all-gather per unshard, one reduce-scatter per stage; the stage with the gain all-reduces it
+        assert r["counts"]["all_gather"] == unshards
+        assert r["counts"]["reduce_scatter"] == 2
+        assert r["counts"]["all_reduce"] == (1 if any(s.endswith("s3") for s in r["order"]) else 0)
+
+
+def _tied_rank(mode: str, framework: str) -> dict:
+    p = get_platform()
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    trainer = Trainer(Config(framework=framework, mode=mode, tie=True), mesh)
+    armed = arm_failure(trainer)
+    armed["on"] = False
+    trainer.run(0)
+    trainer.update()  # a first good step: the failed run must give back these gradients
+    armed["on"] = True
+    before = {n: full_value(q, p.get_grad(q)) for n, q in trainer.schedule.named_parameters().items()}
+    try:
+        trainer.schedule.run(trainer.tensor(np.zeros((8, 8), np.float32)),
+                             target=trainer.tensor(np.zeros((8, 8), np.float32)) if trainer.stages[-1].is_last
+                             else None)
+        failed = None
+    except RuntimeError as exc:
+        failed = str(exc)
+    armed["on"] = False
+    restored = {n: full_value(q, p.get_grad(q)) for n, q in trainer.schedule.named_parameters().items()}
+    trainer.run(1)
+    grads = trainer.full_grads()
+    norm = hp.clip_grad_norm_(trainer.schedule, 0.05, mesh=mesh)
+    clipped = trainer.full_grads()
+    if p.rank == 3:
+        grad = p.get_grad(trainer.params[0])
+        p.set_grad(trainer.params[0], grad * float("inf"))
+    finite = hp.grads_are_finite(trainer.schedule, mesh=mesh)
+    inf_norm = hp.clip_grad_norm_(trainer.schedule, 0.05, mesh=mesh)
+    return {"failed": failed, "before": before, "restored": restored, "grads": grads, "norm": norm,
+            "clipped": clipped, "finite": finite, "inf_norm": inf_norm}
+
+
+def _check_tied(cfg: Config, results: list[dict]) -> None:
+    import torch
+
+    assert all("injected failure" in r["failed"] for r in results), [r["failed"] for r in results]
+    for r in results:
+        for name, value in r["before"].items():
+            np.testing.assert_array_equal(r["restored"][name], value, err_msg=f"{name} after the failed run")
+    _, _, ref_grads = oracle(Config(framework=cfg.framework, mode=cfg.mode, tie=True, steps=2))
+    tol = TOL[cfg.framework]
+    grads = merged_params(results, "grads")
+    assert set(grads) == set(ref_grads[1])
+    for name, value in grads.items():
+        np.testing.assert_allclose(value, ref_grads[1][name], **tol, err_msg=name)
+    # torch's clip_grad_norm_ on the whole model (one tied weight) with the oracle's gradients
+    names = [n for n in ref_grads[1] if n != "head.weight"]
+    tensors = [torch.nn.Parameter(torch.zeros(ref_grads[1][n].shape)) for n in names]
+    for t, n in zip(tensors, names):
+        t.grad = torch.from_numpy(ref_grads[1][n].copy())
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(tensors, 0.05))
+    for r in results:
+        np.testing.assert_allclose(r["norm"], ref_norm, rtol=1e-5)
+        assert r["norm"] == results[0]["norm"]
+    clipped = merged_params(results, "clipped")
+    for t, n in zip(tensors, names):
+        np.testing.assert_allclose(clipped[n], t.grad.numpy(), **tol, err_msg=f"clipped {n}")
+    assert [r["finite"] for r in results] == [False] * 4
+    assert all(not np.isfinite(r["inf_norm"]) for r in results)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+def test_torch_tied_weight_failed_run_and_global_clipping(mode):
+    cfg = Config(mode=mode, tie=True)
+    _check_tied(cfg, LocalCluster(4).run(_tied_rank, mode, "torch"))
+
+
+def _eval_rank() -> list[float]:
+    trainer = Trainer(Config(mode="fsdp"))
+    x, y = trainer.tensor(np.ones((8, 8), np.float32)), trainer.tensor(np.zeros((8, 8), np.float32))
+    out = trainer.schedule.eval(x, target=y if trainer.stages[-1].is_last else None)
+    p = get_platform()
+    sharded = all(p.shape(p.param_data(q))[0] in (1, 4) for q in trainer.params)
+    return [float(v) for v in out or []] + [sharded]
+
+
+def test_eval_gathers_and_frees_fully_sharded_stages():
+    import torch
+    from dp_harness import torch_module, torch_mse, weights
+
+    results = LocalCluster(4).run(_eval_rank)
+    assert all(r[-1] is True for r in results)
+    model = torch_module(0, 1, weights(), False)
+    ref = float(torch_mse(model(torch.ones(2, 8)), torch.zeros(2, 8)).detach())
+    losses = [r[:-1] for r in results if len(r) > 1]
+    assert len(losses) == 2
+    for values in losses:
+        np.testing.assert_allclose(values, [ref] * 4, rtol=1e-6)
+
+
+def _error_rank(case: str) -> None:
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    trainer = Trainer(Config(mode="none"), mesh)
+    if case == "twice":
+        data_parallel(trainer.schedule, mesh)
+        data_parallel(trainer.schedule, mesh)
+    elif case == "dim":
+        data_parallel(trainer.schedule, mesh, dim="data")
+    elif case == "lookahead":
+        data_parallel(trainer.schedule, mesh, lookahead=0)
+    elif case == "group":
+        other = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        stage = trainer.stages[0]
+        hp.fully_shard(stage.submodule, other)  # sharded over ranks that are not this stage's replicas
+        data_parallel(trainer.schedule, mesh)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("twice", "already applied"),
+    ("dim", "no dimension 'data'"),
+    ("lookahead", "lookahead must be an int >= 1, got 0"),
+    ("group", r"fully sharded over ranks \[\d, \d\], but the data-parallel dimension through rank \d is"),
+])
+def test_data_parallel_errors(case, match):
+    with pytest.raises(Exception, match=match):
+        LocalCluster(4).run(_error_rank, case)
+
+
+def _ckpt_rank(path: str, phase: str) -> dict:
+    cfg = Config(mode="fsdp", steps=4)
+    trainer = Trainer(cfg)
+    if phase == "save":
+        losses = trainer.train(range(2))
+        hp.save_checkpoint(path, trainer.schedule, trainer.optimizer, extra={"step": 2})
+        losses += trainer.train(range(2, 4))
+        extra = None
+    else:
+        extra = hp.load_checkpoint(path, trainer.schedule, trainer.optimizer)
+        losses = [[], []] + trainer.train(range(2, 4))
+    return {"losses": losses, "params": trainer.full_params(), "dp": trainer.dp_index, "pp": trainer.pp,
+            "extra": extra}
+
+
+def test_torch_checkpoint_per_rank_files_resume_bitwise(tmp_path):
+    path = str(tmp_path / "ckpt")
+    first = LocalCluster(4).run(_ckpt_rank, path, "save")
+    assert sorted(os.listdir(path)) == [f"rank{r}.pt" for r in range(4)]
+    second = LocalCluster(4).run(_ckpt_rank, path, "load")
+    cfg = Config(mode="fsdp", steps=4)
+    assert [r["extra"] for r in second] == [{"step": 2}] * 4
+    for step in (2, 3):
+        assert replica_losses(second, cfg, step) == replica_losses(first, cfg, step)
+    a, b = merged_params(first), merged_params(second)
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+
+
+# ------------------------------------------------------------------------------------- MindSpore
+def _ms_train_both(mode: str) -> dict:
+    out = {}
+    for schedule in ("1f1b", "interleaved"):
+        out[schedule] = _train(Config(framework="mindspore", mode=mode, schedule=schedule))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+def test_mindspore_pipeline_with_data_parallel_matches_one_rank(mode):
+    results = LocalCluster(4, platform="mindspore").run(_ms_train_both, mode)
+    for schedule in ("1f1b", "interleaved"):
+        _check_training(Config(framework="mindspore", mode=mode, schedule=schedule), [r[schedule] for r in results])
+
+
+def test_mindspore_tied_weight_failed_run_and_global_clipping():
+    cfg = Config(framework="mindspore", mode="fsdp", tie=True)
+    _check_tied(cfg, LocalCluster(4, platform="mindspore").run(_tied_rank, "fsdp", "mindspore"))
+
+
+def _ms_ckpt_rank(path: str, phase: str) -> dict:
+    cfg = Config(framework="mindspore", mode="fsdp", steps=4)
+    trainer = Trainer(cfg)
+    if phase == "save":
+        losses = trainer.train(range(2))
+        hp.save_checkpoint(path, trainer.schedule, trainer.optimizer, extra={"step": 2})
+        losses += trainer.train(range(2, 4))
+    else:
+        assert hp.load_checkpoint(path, trainer.schedule, trainer.optimizer) == {"step": 2}
+        losses = [[], []] + trainer.train(range(2, 4))
+    return {"losses": losses, "params": trainer.full_params(), "dp": trainer.dp_index, "pp": trainer.pp}
+
+
+_MS_RESUME = """
+import pickle, sys
+sys.path.insert(0, {here!r})
+from test_fsdp_local import _ms_ckpt_rank
+from hyper_parallel.platform.local import LocalCluster
+results = LocalCluster(4, platform="mindspore").run(_ms_ckpt_rank, {path!r}, "load")
+with open({out!r}, "wb") as f:
+    pickle.dump(results, f)
+"""
+
+
+def test_mindspore_checkpoint_resumes_bitwise_in_a_new_process(tmp_path):
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "resumed.pkl")
+    first = LocalCluster(4, platform="mindspore").run(_ms_ckpt_rank, path, "save")
+    assert sorted(os.listdir(path)) == sorted([f"rank{r}.ckpt" for r in range(4)] +
+                                              [f"rank{r}.extra.pkl" for r in range(4)])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), HERE]))
+    subprocess.run([sys.executable, "-c", _MS_RESUME.format(here=HERE, path=path, out=out)], check=True,
+                   timeout=600, env=env, cwd=str(tmp_path))
+    with open(out, "rb") as f:
+        second = pickle.load(f)
+    cfg = Config(framework="mindspore", mode="fsdp", steps=4)
+    for step in (2, 3):
+        assert replica_losses(second, cfg, step) == replica_losses(first, cfg, step)
+    a, b = merged_params(first), merged_params(second)
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)

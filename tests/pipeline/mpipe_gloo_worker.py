@@ -1,0 +1,50 @@
+"""One rank of the 4-process gloo job of test_mpipe_gloo.py: every case of ``CASES`` in one
+process group; each rank pickles its losses and gradients per case into ``<out_dir>/rank<r>.pkl``.
+
+Usage (under torchrun, HYPER_PARALLEL_PLATFORM=torch): mpipe_gloo_worker.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import traceback
+
+import torch
+from mpipe_harness import Case, run_case
+
+from hyper_parallel.platform import get_platform
+
+P = 4
+CASES = [
+    Case("dataload-only-owned", 1, 6, 0, inputs="owned"),
+    Case("recompute-m<p", 2, 3, 2),
+    Case("recompute-full-overflow", 1, 9, 2),
+    Case("recompute-min-overflow-owned", 2, 6, 1, overflow_mode="min", inputs="owned"),
+    Case("owner-full-overflow", 2, 7, 2, owner_backward=True),
+    Case("owner-min-overflow", 1, 6, 2, owner_backward=True, overflow_mode="min", overlap_p2p=True),
+    Case("frozen-full-overflow", 1, 8, 2, trainable=False),
+]
+
+
+def main(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    p = get_platform()
+    assert p.name == "torch" and p.world_size == P, (p.name, p.world_size)
+    results = {}
+    for case in CASES:
+        try:
+            results[case.name] = run_case(case)
+        except BaseException:
+            print(f"rank {p.rank}: case {case.name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            raise
+    p.barrier()
+    path = os.path.join(out_dir, f"rank{p.rank}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump({"rank": p.rank, "results": results}, f)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

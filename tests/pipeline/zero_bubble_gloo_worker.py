@@ -1,0 +1,55 @@
+"""One rank of the 4-process gloo job of test_pp_zero_bubble_gloo.py.
+
+Runs every case of ``CASES`` (a zero-bubble schedule class, chunks, micro-batches, options) on
+the tiny MLP of ``mlp_harness`` inside one process group, and pickles what this rank got
+(losses, gradients, peak activations per case) into ``<out_dir>/rank<r>.pkl``.
+
+Usage (under torchrun, HYPER_PARALLEL_PLATFORM=torch): zero_bubble_gloo_worker.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import traceback
+
+import torch
+from mlp_harness import MatrixJob, run_matrix_job
+
+from hyper_parallel import ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+from hyper_parallel.platform import get_platform
+
+P = 4
+CASES = {  # name -> job; m at the minimum, 2p and 2p+1 across the schedules, both transports
+    "zb-h1-v1-m9-plain": MatrixJob(ScheduleInterleavedZeroBubble, 1, 9, dict(p2p_transport="plain")),
+    "zb-h1-v2-m8-batch-overlap": MatrixJob(ScheduleInterleavedZeroBubble, 2, 8,
+                                           dict(p2p_transport="batch", overlap_p2p=True)),
+    "zbv-m1-batch": MatrixJob(ScheduleZBVZeroBubble, 2, 1, dict(p2p_transport="batch")),
+    "zbv-m9-plain-overlap-dyn": MatrixJob(ScheduleZBVZeroBubble, 2, 9, dict(p2p_transport="plain", overlap_p2p=True),
+                                          dyn_shape=True),
+    "dualpipev-m8-plain": MatrixJob(ScheduleDualPipeV, 2, 8, dict(p2p_transport="plain")),
+    "dualpipev-m9-batch-overlap": MatrixJob(ScheduleDualPipeV, 2, 9, dict(p2p_transport="batch", overlap_p2p=True)),
+}
+
+
+def main(out_dir: str) -> None:
+    torch.set_num_threads(1)
+    p = get_platform()
+    assert p.name == "torch" and p.world_size == P, (p.name, p.world_size)
+    results = {}
+    for name, job in CASES.items():
+        try:
+            results[name] = run_matrix_job(job)
+        except BaseException:
+            print(f"rank {p.rank}: case {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            raise
+    p.barrier()
+    path = os.path.join(out_dir, f"rank{p.rank}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump({"rank": p.rank, "world": p.world_size, "results": results}, f)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,195 @@
+"""Smoke tests of the schedule tools of the ``hyper-parallel`` command (every subcommand)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+from conftest import REPO_ROOT
+
+from hyper_parallel.cli import main
+
+EXAMPLE = os.path.join(REPO_ROOT, "examples", "pipeline_mlp.py")
+
+
+def run(capsys, argv):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_simulate_prints_chart_bubbles_and_peaks(capsys):
+    code, out, _ = run(capsys, ["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8"])
+    assert code == 0
+    assert out.startswith("Schedule1F1B: 4 ranks x 1 stage(s) per rank, 8 micro-batches")
+    assert "rank 3 |.. .. .. F0 B0---" in out
+    assert re.search(r"^\s+0\s+24\s+0\.2727\s+27\.27%\s+4\s+4$", out, flags=re.M)
+    assert re.search(r"^\s+3\s+24\s+0\.2727\s+27\.27%\s+1\s+1$", out, flags=re.M)
+    assert "makespan 33 ms; overall bubble 0.2727 (27.27%)" in out
+
+
+def test_simulate_json_trace_and_png(capsys, tmp_path):
+    trace, png = str(tmp_path / "t.json"), str(tmp_path / "t.png")
+    code, out, _ = run(capsys, ["simulate", "--schedule", "interleaved-1f1b", "-p", "4", "-m", "8", "-v", "2",
+                                "--trace", trace, "--json"] + (["--png", png] if _has_matplotlib() else []))
+    assert code == 0
+    data = json.loads(out)
+    assert data["makespan_ms"] == 28.5 and data["chunks"] == 2
+    assert data["bubble_fraction"] == pytest.approx(3 / 19) and data["bubble_percent"] == pytest.approx(300 / 19)
+    assert [r["peak_activations"] for r in data["ranks"]] == [11, 9, 7, 5]
+    events = json.load(open(trace))["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {f"rank {r}" for r in range(4)}
+    if _has_matplotlib():
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_simulate_with_costs_file_and_batch_transport(capsys, tmp_path):
+    costs = tmp_path / "c.json"
+    costs.write_text(json.dumps({"p2p": {"latency_ms": 0.5}, "stages": [{"F": 1, "B": 2, "output_bytes": 10}]}))
+    code, out, _ = run(capsys, ["simulate", "-p", "2", "-m", "2", "--costs", str(costs), "--json"])
+    assert code == 0
+    # 1F1B, p = 2, m = 2: the critical path holds 3 steps of F + B and two messages of 0.5 ms
+    assert json.loads(out)["makespan_ms"] == pytest.approx(3 * 3 + 2 * 0.5)
+    code, out, _ = run(capsys, ["simulate", "-p", "2", "-m", "2", "--costs", str(costs), "--transport", "batch",
+                                "--json"])
+    # one stream: rank 1 receives F.s0.m1 in the group that sends B.s1.m0's gradient, issued at
+    # 4.5 ms, so that forward waits one more message time than with eager sends
+    assert code == 0 and json.loads(out)["makespan_ms"] == pytest.approx(10.5)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["simulate", "--schedule", "nope"], "argument --schedule: unknown schedule 'nope'"),
+    (["simulate", "--schedule", "1f1b", "-v", "2"], "argument -v/--chunks: 1f1b runs 1..1 chunks per rank, got 2"),
+    (["simulate", "--costs", "/nonexistent.json"], "argument --costs:"),
+    (["tune", "--costs", "c.json", "--memory-limit", "lots", "--global-batch", "8", "-p", "2"],
+     "argument --memory-limit: must be a byte count"),
+    (["partition", "-p", "2"], "give exactly one of --costs and --layer-costs"),
+    (["visualize", "/nonexistent.json"], "argument TRACE:"),
+])
+def test_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["simulate", "visualize", "profile", "tune", "partition", "dryrun"])
+def test_help_shows_defaults(capsys, command):
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: hyper-parallel {command}")
+    assert "(default: None)" not in out
+    if command != "visualize":
+        assert "(default:" in out
+    if command not in ("partition",):
+        assert "--json" in out
+
+
+def test_visualize_a_plan_and_a_measured_trace(capsys, tmp_path):
+    plan = str(tmp_path / "plan.json")
+    assert main(["simulate", "-p", "2", "-m", "2", "--trace", plan, "--json"]) == 0
+    capsys.readouterr()
+    measured = tmp_path / "run.json"
+    records = [{"rank": 0, "step": "F.s0.m0", "kind": "compute", "start": 0.0, "end": 0.002},
+               {"rank": 1, "step": "F.s1.m0", "kind": "compute", "start": 0.002, "end": 0.004}]
+    measured.write_text(json.dumps({"format": "hyper-parallel-trace/1", "unit": "s", "records": records}))
+    code, out, _ = run(capsys, ["visualize", str(measured), "--plan", plan, "--json"])
+    assert code == 0
+    data = json.loads(out)
+    assert data["plan"]["makespan_ms"] == pytest.approx(9.0)
+    assert data["trace"]["makespan_ms"] == pytest.approx(4.0)
+    assert data["compare"]["order_mismatch"]["0"]["planned"] == "F.s0.m1"
+    code, out, _ = run(capsys, ["visualize", plan])
+    assert code == 0 and "rank 1 |" in out and "makespan 9 ms" in out
+
+
+def test_partition(capsys):
+    code, out, _ = run(capsys, ["partition", "--layer-costs", "4,1,1,1,1", "-p", "2", "--json"])
+    assert code == 0
+    data = json.loads(out)
+    assert data["ranges"] == [[0, 1], [1, 5]] and data["bottleneck"] == 4.0 and data["optimal"]
+    code, out, _ = run(capsys, ["partition", "--layer-costs", "6,1,1,1,1,1,1,6", "-p", "2", "-v", "2",
+                                "--placement", "v"])
+    assert code == 0 and "busiest rank 12" in out  # rank 0 holds both 6s (first and last stage)
+
+
+def test_tune_prints_a_table_and_json(capsys, tmp_path):
+    costs = tmp_path / "c.json"
+    layer = {"F": 1, "B": 2, "activation_bytes": 100, "param_bytes": 10, "overhead_ms": 0.25}
+    costs.write_text(json.dumps({"micro_batch_size": 2, "layers": [layer] * 8}))
+    code, out, _ = run(capsys, ["tune", "--costs", str(costs), "--memory-limit", "500", "--global-batch", "16",
+                                "-p", "4", "--schedules", "1f1b,interleaved-1f1b,gpipe", "--chunks", "1,2"])
+    assert code == 0
+    assert "choice: 1f1b with 1 chunk(s) per rank and 16 micro-batches of 1" in out
+    assert re.search(r"^\* 1f1b\s+1\s+16\s+1\s", out, flags=re.M)
+    code, out, _ = run(capsys, ["tune", "--costs", str(costs), "--memory-limit", "1GiB", "--global-batch", "16",
+                                "-p", "4", "--json"])
+    data = json.loads(out)
+    assert code == 0 and data["best"]["fits"] and len(data["candidates"]) > 10
+    code, out, _ = run(capsys, ["tune", "--costs", str(costs), "--memory-limit", "10", "--global-batch", "16",
+                                "-p", "4"])
+    assert code == 1 and "nothing fits" in out
+    order = tmp_path / "order.csv"
+    code, out, _ = run(capsys, ["tune", "--costs", str(costs), "--memory-limit", "1000", "--global-batch", "16",
+                                "-p", "4", "--schedules", "1f1b", "--search", "--save-order", str(order)])
+    assert code == 0 and "choice: search-" in out
+    from hyper_parallel.core.pipeline_parallel.schedule_csv import load_schedule_csv
+
+    assert sorted(load_schedule_csv(order)) == [0, 1, 2, 3]
+
+
+@pytest.mark.timeout(200)
+def test_profile_writes_a_costs_file(capsys, tmp_path):
+    out_file = str(tmp_path / "costs.json")
+    code, out, _ = run(capsys, ["profile", EXAMPLE, "--stages", "2", "--repeats", "1", "--warmup", "0",
+                                "-o", out_file, "--as-layers"])
+    assert code == 0, out
+    data = json.load(open(out_file))
+    assert len(data["stages"]) == len(data["layers"]) == 2
+    for stage in data["stages"]:
+        assert stage["F"] > 0 and stage["B"] > 0 and stage["param_bytes"] == 2 * (64 * 64 + 64) * 4
+    assert data["stages"][0]["output_bytes"] == 8 * 64 * 4 and data["micro_batch_size"] == 8
+    code, out, _ = run(capsys, ["simulate", "-p", "2", "-m", "4", "--costs", out_file, "--json"])
+    assert code == 0 and json.loads(out)["makespan_ms"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_dryrun_reports_boundaries_memory_and_schedule(capsys, tmp_path):
+    trace = str(tmp_path / "dry.json")
+    code, out, _ = run(capsys, ["dryrun", EXAMPLE, "--ranks", "2", "--trace", trace, "--json", "--",
+                                "--micro-batches", "4", "--steps", "1"])
+    assert code == 0, out
+    data = json.loads(out[out.index("{"):])
+    assert {"src": 0, "dst": 1, "dtype": "float32", "shape": [2, 64], "count": 4, "bytes": 512} in data["boundaries"]
+    assert {"src": 1, "dst": 0, "dtype": "float32", "shape": [2, 64], "count": 4, "bytes": 512} in data["boundaries"]
+    assert [r["peak_forwards_held"] for r in data["ranks"]] == [2, 1]
+    assert data["ranks"][0]["peak_activation_bytes"] > 0
+    assert data["check"]["status"] == "ok" and data["check"]["class"] == "Schedule1F1B"
+    assert data["check"]["simulated"]["makespan_ms"] == 15.0
+    assert json.load(open(trace))["traceEvents"]
+
+
+@pytest.mark.parametrize(("schedule", "makespan", "peak"), [
+    # p = 4, m = 8, two chunks per rank (F = I = W = 0.5 ms per chunk): ZB-H1 and ZB-V idle p - 1
+    # chunk units, (3 v m + p - 1) / 2 = (6 m + p - 1) / 2 ms; DualPipeV 2 (p - 1), (6 m + 2 (p - 1)) / 2 ms
+    ("interleaved-zb", 25.5, 8), ("zbv", 25.5, 8), ("dualpipev", 27.0, 9),
+])
+def test_simulate_zero_bubble_schedules(capsys, schedule, makespan, peak):
+    code, out, _ = run(capsys, ["simulate", "--schedule", schedule, "-p", "4", "-m", "8", "--json"])
+    assert code == 0
+    data = json.loads(out)
+    assert data["schedule"] == schedule and data["chunks"] == 2
+    assert data["makespan_ms"] == pytest.approx(makespan)
+    assert [r["peak_activations"] for r in data["ranks"]] == [peak] * 4
