@@ -122,11 +122,11 @@ def train(args: argparse.Namespace) -> list[float]:
     return losses
 
 
-def pipeline_step(pieces: list[list[nn.Cell]], tokens: ms.Tensor, target: ms.Tensor,
+def pipeline_step(stage_cells: nn.CellList, tokens: ms.Tensor, target: ms.Tensor,
                   args: argparse.Namespace) -> list[float]:
     """One rank of a replica's LocalCluster: run its stage over the replica's share of the batch."""
-    rank, world = hp.get_platform().rank, len(pieces)
-    stage = hp.PipelineStage(nn.SequentialCell(pieces[rank]), rank, world)
+    rank, world = hp.get_platform().rank, len(stage_cells)
+    stage = hp.PipelineStage(stage_cells[rank], rank, world)
     schedule = hp.Schedule1F1B(stage, args.micro_batches, loss_fn=next_token_loss)
     schedule.zero_grad()
     return [float(v) for v in schedule.run(tokens, target=target if stage.is_last else None)]
@@ -141,16 +141,17 @@ def train_data_parallel(args: argparse.Namespace) -> list[float]:
     if args.batch % (replicas * args.micro_batches):
         raise ValueError(f"--batch {args.batch} must split into {replicas} replicas x {args.micro_batches} "
                          "micro-batches")
-    layers = build_layers(args)  # the same weights in every replica
-    pieces = split_layers(layers, args.ranks)
-    params = [p for layer in layers for p in layer.trainable_params()]
+    # the same weights in every replica; one Cell per pipeline stage, held in a CellList so that every
+    # parameter gets a unique name ("<stage>.<layer>.<name>"), which the optimizer requires
+    stage_cells = nn.CellList([nn.SequentialCell(piece) for piece in split_layers(build_layers(args), args.ranks)])
+    params = stage_cells.trainable_params()
     optimizer = nn.Adam(params, learning_rate=args.lr)
     cluster = LocalCluster(args.ranks, platform="mindspore")
     share = slice(replica * args.batch // replicas, (replica + 1) * args.batch // replicas)
     losses: list[float] = []
     for step in range(args.steps):
         tokens, target = batch(step, args)
-        step_losses = cluster.run(pipeline_step, pieces, tokens[share], target[share], args)[-1]
+        step_losses = cluster.run(pipeline_step, stage_cells, tokens[share], target[share], args)[-1]
         grads = [platform.get_grad(p) for p in params]
         flat = platform.all_reduce(ops.cat([g.reshape(-1) for g in grads]), op="avg")
         sizes = [int(g.size) for g in grads]

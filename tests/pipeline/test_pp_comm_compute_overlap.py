@@ -352,3 +352,58 @@ def test_comm_compute_overlap_needs_overlap_pairs_and_the_right_type():
             ScheduleInterleaved1F1B(stages, 2, overlap_b_f="on")
 
     LocalCluster(1, "torch", timeout=TIMEOUT).run(body)
+
+
+def test_comm_compute_overlap_is_refused_by_schedules_without_overlap_pairs():
+    """A schedule with no OVERLAP_B_F step would silently ignore the overlap object: refused, naming the
+    schedule; DualPipeV (pairs in its middle phase) takes it."""
+    from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B, ScheduleGPipe
+    from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import (
+        ScheduleDualPipeV,
+        ScheduleZBVZeroBubble,
+    )
+
+    def body():
+        from mlp_harness import MatrixJob, build_stages
+
+        for cls in (Schedule1F1B, ScheduleGPipe):
+            stages = build_stages(MatrixJob(cls, 1, 2), 1, cls.stage_placement(1, 1))
+            with pytest.raises(ValueError, match=f"this {cls.__name__} .* has none"):
+                cls(stages[0], 2, comm_compute_overlap=CommComputeOverlap())
+        stages = build_stages(MatrixJob(ScheduleZBVZeroBubble, 2, 2), 2, ScheduleZBVZeroBubble.stage_placement(1, 2))
+        with pytest.raises(ValueError, match="this ScheduleZBVZeroBubble .* has none"):
+            ScheduleZBVZeroBubble(stages, 2, comm_compute_overlap=CommComputeOverlap())
+        overlap = CommComputeOverlap()
+        schedule = ScheduleDualPipeV(stages, 2, comm_compute_overlap=overlap)
+        assert schedule.comm_compute_overlap is overlap
+
+    LocalCluster(1, "torch", timeout=TIMEOUT).run(body)
+
+
+@pytest.mark.parametrize("name", ["scale_grads", "overlap_p2p", "keep_grads_on_error", "swap"])
+@pytest.mark.parametrize("value", ["False", 0, 1.0, None])
+def test_schedule_switches_must_be_bools(name, value):
+    """A truthy string or a number is never taken as a switch (``"False"`` would have turned it on)."""
+    from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B
+
+    def body():
+        from mlp_harness import MatrixJob, build_stages
+
+        stages = build_stages(MatrixJob(Schedule1F1B, 1, 2), 1, Schedule1F1B.stage_placement(1, 1))
+        with pytest.raises(TypeError, match=f"{name} must be a bool, got {value!r}"):
+            Schedule1F1B(stages[0], 2, **{name: value})
+
+    LocalCluster(1, "torch", timeout=TIMEOUT).run(body)
+
+
+@pytest.mark.parametrize("name", ["dyn_shape", "free_sent_outputs"])
+def test_stage_switches_must_be_bools(name):
+    from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+
+    def body():
+        import torch
+
+        with pytest.raises(TypeError, match=f"{name} must be a bool, got 'yes'"):
+            PipelineStage(torch.nn.Linear(2, 2), 0, 1, **{name: "yes"})
+
+    LocalCluster(1, "torch", timeout=TIMEOUT).run(body)

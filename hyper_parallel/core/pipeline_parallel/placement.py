@@ -15,6 +15,14 @@ def check_int(name: str, value: object) -> int:
     return value  # type: ignore[return-value]
 
 
+def check_flag(name: str, value: object) -> bool:
+    """Return ``value`` if it is a bool, else raise TypeError naming it (``"False"`` or ``0.0`` are
+    truthy or falsy by accident, never a switch)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
 def check_count(name: str, value: object, minimum: int) -> int:
     """Return ``value`` if it is an int (not a bool) >= ``minimum``, else raise ValueError."""
     if not is_int(value) or value < minimum:  # type: ignore[operator]

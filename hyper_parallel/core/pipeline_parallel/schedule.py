@@ -20,7 +20,7 @@ from hyper_parallel.core.pipeline_parallel.grad_state import RunGradients
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.lowering import TRANSPORTS, lower
 from hyper_parallel.core.pipeline_parallel.microbatch import merge_outputs, split_inputs, split_target
-from hyper_parallel.core.pipeline_parallel.placement import check_count, is_int, looped_placement, v_placement
+from hyper_parallel.core.pipeline_parallel.placement import check_count, check_flag, is_int, looped_placement, v_placement
 from hyper_parallel.core.pipeline_parallel.runtime import P2P_TYPES, CustomFunction, PipelineRuntime, StepContext
 from hyper_parallel.core.pipeline_parallel.schedules import (
     generate_1f1b,
@@ -126,9 +126,10 @@ class PipelineSchedule:
         self.args_batch_dim = args_batch_dim
         self.kwargs_batch_dim = kwargs_batch_dim
         self.output_concat_dim = output_concat_dim
-        self.scale_grads = bool(scale_grads)
-        self.overlap_p2p = bool(overlap_p2p)
-        self.keep_grads_on_error = bool(keep_grads_on_error)
+        self.scale_grads = check_flag("scale_grads", scale_grads)
+        self.overlap_p2p = check_flag("overlap_p2p", overlap_p2p)
+        self.keep_grads_on_error = check_flag("keep_grads_on_error", keep_grads_on_error)
+        check_flag("swap", swap)
         self.dyn_shape = dyn.pop()
         first = self.stages[0]
         self.platform = first.platform
@@ -155,6 +156,13 @@ class PipelineSchedule:
             enable_swap(self, swap_threshold)
         self.comm_compute_overlap = None
         if comm_compute_overlap is not None:  # the built-in OVERLAP_B_F handler
+            if not any(st is not None and st.meta_type.is_overlap for steps in self.compute_schedule.values()
+                       for st in steps):
+                raise ValueError(
+                    f"comm_compute_overlap runs overlapped (backward, forward) pairs, but this "
+                    f"{type(self).__name__} (p={self.num_ranks}, m={micro_batch_num}) has none: use "
+                    "ScheduleDualPipeV or ScheduleInterleaved1F1B(overlap_b_f=True)"
+                )
             from hyper_parallel.core.pipeline_parallel.overlap_step import enable_comm_compute_overlap
 
             enable_comm_compute_overlap(self, comm_compute_overlap)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hyper_parallel.core.pipeline_parallel.placement import check_int
+from hyper_parallel.core.pipeline_parallel.placement import check_flag, check_int
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import Group
 
@@ -65,8 +65,8 @@ class PipelineStage:
         self.stage_index = stage_index
         self.stage_num = stage_num
         self.device = self.platform.check_device(device)
-        self.dyn_shape = bool(dyn_shape)
-        self.free_sent_outputs = bool(free_sent_outputs)
+        self.dyn_shape = check_flag("dyn_shape", dyn_shape)
+        self.free_sent_outputs = check_flag("free_sent_outputs", free_sent_outputs)
         self.mesh = mesh  # the whole mesh: DTensors arriving from the previous stage are rebuilt on it
         if mesh is not None:
             pp_mesh = mesh if mesh.ndim == 1 else mesh["pp"]
