@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         from hyper_parallel.platform.local import LocalCluster
 
         losses = LocalCluster(args.ranks, platform="mindspore").run(train, args)[-1]
-    if args.report and losses and hp.get_platform().rank == 0:
+    if args.report and losses and (args.launcher == "local" or hp.get_platform().rank == 0):
         with open(args.report, "w", encoding="utf-8") as f:
             json.dump({"losses": losses}, f)
     return losses
