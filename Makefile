@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/hyper-parallel demo
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check hyper_parallel tests benchmarks
+	$(VENV)/bin/ruff check hyper_parallel tests benchmarks examples
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # The documentation site into site/, strict: a broken link or a missing API reference fails it.
@@ -26,7 +26,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check hyper_parallel tests benchmarks
+	$(VENV)/bin/ruff check hyper_parallel tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) build site *.egg-info
