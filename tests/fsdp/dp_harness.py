@@ -24,7 +24,7 @@ TOL = {"torch": dict(rtol=1e-5, atol=1e-6), "mindspore": dict(rtol=1e-5, atol=1e
 class Config:
     framework: str = "torch"
     mode: str = "fsdp"  # "fsdp" | "dp" | "none"
-    schedule: str = "1f1b"  # "1f1b" | "interleaved" | "gpipe"
+    schedule: str = "1f1b"  # "1f1b" | "interleaved" | "gpipe" | "zb-h1" | "zbv"
     pp: int = 2
     dp: int = 2
     micro: int = 4
@@ -37,7 +37,7 @@ class Config:
 
     @property
     def chunks(self) -> int:
-        return 2 if self.schedule == "interleaved" else 1
+        return 2 if self.schedule in ("interleaved", "zb-h1", "zbv") else 1
 
     @property
     def num_stages(self) -> int:
@@ -244,14 +244,16 @@ def full_value(param: Any, value: Any) -> np.ndarray:
     return np.array(p.to_numpy(value), copy=True)
 
 
+def schedule_class(name: str) -> Any:
+    import hyper_parallel as hp
+
+    return {"1f1b": hp.Schedule1F1B, "interleaved": hp.ScheduleInterleaved1F1B, "gpipe": hp.ScheduleGPipe,
+            "zb-h1": hp.ScheduleInterleavedZeroBubble, "zbv": hp.ScheduleZBVZeroBubble}[name]
+
+
 def build(cfg: Config, mesh: Any, stage_indices: list[int]) -> tuple[list[Any], Any]:
     """The stage objects of this rank (fully sharded for ``mode="fsdp"``) and the schedule."""
     import hyper_parallel as hp
-    from hyper_parallel.core.pipeline_parallel.schedule import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
 
     w = weights()
     make = torch_module if cfg.framework == "torch" else ms_module
@@ -266,7 +268,7 @@ def build(cfg: Config, mesh: Any, stage_indices: list[int]) -> tuple[list[Any], 
         elif cfg.tie and s == cfg.num_stages - 1:
             ties = {"tie": "head.weight"}
         stages.append(hp.PipelineStage(module, s, cfg.num_stages, mesh=mesh, shared_parameters=ties))
-    cls = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B, "gpipe": ScheduleGPipe}[cfg.schedule]
+    cls = schedule_class(cfg.schedule)
     loss = torch_mse if cfg.framework == "torch" else ms_mse
     schedule = cls(stages if len(stages) > 1 else stages[0], cfg.micro, loss_fn=loss)
     if cfg.mode != "none":
@@ -282,7 +284,8 @@ class Trainer:
         self.mesh = mesh if mesh is not None else _mesh(cfg)
         self.pp = self.mesh.get_local_rank("pp")
         self.dp_index = self.mesh.get_local_rank("dp")
-        self.stage_indices = [c * cfg.pp + self.pp for c in range(cfg.chunks)]
+        placement = schedule_class(cfg.schedule).stage_placement(cfg.pp, cfg.chunks)
+        self.stage_indices = sorted(s for s, r in placement.items() if r == self.pp)
         self.stages, self.schedule = build(cfg, self.mesh, self.stage_indices)
         self.params = self.schedule.parameters()
         if cfg.framework == "torch":

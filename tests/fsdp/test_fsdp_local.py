@@ -40,7 +40,7 @@ def _check_training(cfg: Config, results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "dp"])
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "gpipe", "zb-h1", "zbv"])
 def test_torch_pipeline_with_data_parallel_matches_one_rank(mode, schedule):
     cfg = Config(mode=mode, schedule=schedule)
     _check_training(cfg, LocalCluster(4).run(_train, cfg))
