@@ -189,7 +189,7 @@ def test_the_expectation_sees_a_chain():
     assert expected_prefetchable(compute, placement, "none") == {0: 0, 1: 0}
     assert counted_prefetches(lower(compute, placement, "plain", prefetch=True)) == {0: 0, 1: 0}
     compute, placement = _compute(ScheduleGPipe, 2, 1, 2, False)
-    # rank 1: F1 can receive during F0; rank 0: B of m0 comes after F m1, so RECV_B m0 may be early?
+    # rank 1's input of m1 can arrive while it computes F.s1.m0
     allowed = expected_prefetchable(compute, placement, "none")
     assert allowed[1] >= 1
     assert counted_prefetches(lower(compute, placement, "plain", prefetch=True))[1] >= 1
