@@ -447,6 +447,8 @@ def _dryrun(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def add_tool_commands(sub: Any, formatter: Any) -> None:
     """Add the tool subcommands to the ``hyper-parallel`` parser's subparsers."""
+    from hyper_parallel.core.pipeline_parallel.lowering import TRANSPORTS  # no framework import
+
     p = sub.add_parser("simulate", formatter_class=formatter,
                        help="simulate a schedule: chart, makespan, bubbles, peak activations",
                        description="Generate, lower and simulate a schedule with all ranks together (deadlocks "
@@ -461,7 +463,7 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("-v", "--chunks", type=_int_at_least(1), default=None,
                    help="stages per rank (default: 2 for multi-chunk schedules, else 1)")
     p.add_argument("--costs", default=None, help="costs file (JSON, see docs/tools.md)")
-    p.add_argument("--transport", choices=("plain", "batch"), default="plain",
+    p.add_argument("--transport", choices=TRANSPORTS, default="plain",
                    help="P2P transport: plain (eager sends, gloo) or batch (one stream, NCCL/HCCL)")
     p.add_argument("--compute-only", action="store_true", help="simulate the compute lists without lowering")
     p.add_argument("--chart", choices=("auto", "full", "wrap", "compact"), default="auto", help="chart layout")
@@ -519,7 +521,7 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--state-factor", type=float, default=4.0,
                    help="bytes of weights, gradients and optimizer state per parameter byte")
     p.add_argument("--lowered", action="store_true", help="simulate lowered lists (slower)")
-    p.add_argument("--transport", choices=("plain", "batch"), default="plain", help="P2P transport (with --lowered)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="plain", help="P2P transport (with --lowered)")
     p.add_argument("--search", action="store_true",
                    help="also build custom step orders within the memory limit (search-* candidates)")
     p.add_argument("--save-order", default=None, help="write the chosen searched order here as a schedule CSV")

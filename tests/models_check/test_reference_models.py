@@ -95,9 +95,9 @@ def test_split_layers_covers_every_block_once(n_layers: int, num_stages: int) ->
 
 
 def test_split_layers_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_stages must be >= 1, got 0"):
         split_layers(3, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n_layers must be >= 0, got -1"):
         split_layers(-1, 2)
 
 

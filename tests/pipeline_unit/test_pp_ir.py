@@ -1,5 +1,7 @@
 """MetaStep text form, CSV files and data-flow helpers."""
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -103,11 +105,14 @@ def test_value_semantics_and_list_sub_steps():
 
 
 @pytest.mark.parametrize(
-    "args",
-    [(True, T.FWD, 0), (0, T.FWD, 1.0), (0, "F", 0), (0, T.FWD, 0, ["F.s0.m0"])],
+    "args, message",
+    [((True, T.FWD, 0), "micro_index must be an int or None, got True"),
+     ((0, T.FWD, 1.0), "stage_index must be an int or None, got 1.0"),
+     ((0, "F", 0), "meta_type must be a MetaStepType, got 'F'"),
+     ((0, T.FWD, 0, ["F.s0.m0"]), "sub_steps must hold MetaSteps, got 'F.s0.m0'")],
 )
-def test_constructor_rejects_bad_fields(args):
-    with pytest.raises(TypeError):
+def test_constructor_rejects_bad_fields(args, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
         MetaStep(*args)
 
 

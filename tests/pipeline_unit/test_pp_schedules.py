@@ -195,7 +195,7 @@ def test_one_f_one_b_helper():
     b = [bwd(0, i) for i in range(3)]
     assert one_f_one_b(f, b, 1) == [f[0], f[1], b[0], f[2], b[1], b[2]]
     assert one_f_one_b(f, b, 9) == f + b
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="3 forwards but 2 backwards"):
         one_f_one_b(f, b[:2], 0)
 
 

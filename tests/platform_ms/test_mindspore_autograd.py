@@ -417,7 +417,7 @@ def test_tensor_helpers_and_parameters() -> None:
     assert plat.dtype_name(plat.empty_like(t)) == "float32" and plat.numel(plat.ones((2, 5), "int32")) == 10
     parts = plat.chunk(plat.from_numpy(np.arange(6, dtype=np.int32)), 3)
     assert [p.asnumpy().tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot split size 2 of dim 0 into 3 equal chunks"):
         plat.chunk(t, 3)
     assert plat.to_numpy(plat.cat(parts[:2])).tolist() == [0, 1, 2, 3]
     c = plat.clone(t)
@@ -478,3 +478,7 @@ def test_parameter_frozen_after_the_stage_was_built_gets_no_gradient(plat: MindS
     assert plat.get_grad(cell.bias) is None
     cell.bias.requires_grad = True
     plat.zero_grads(params)
+    rec = plat.stage_forward(cell, (x,), {}, params, (True,))  # unfrozen again: both get their gradient
+    plat.stage_backward(rec, (ops.ones_like(rec.outputs[0]),))
+    np.testing.assert_allclose(plat.get_grad(cell.weight).asnumpy(), dw_ref[0].asnumpy(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(plat.get_grad(cell.bias).asnumpy(), dw_ref[1].asnumpy(), rtol=RTOL, atol=ATOL)

@@ -19,6 +19,7 @@ MUST_MATCH = (
     ("transport", "p2p_transport"),
     ("scale_grads", "scale_grads"),
     ("overlap_p2p", "overlap_p2p"),
+    ("overlap_b_f", "overlap_b_f"),
     ("dyn_shape", "dyn_shape"),
     ("has_loss_fn", "whether a loss_fn is given"),
 )

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .ir import DataKey, MetaStep, Schedule, consumes, message_key, produces
+from .ir import DataKey, MetaStep, Schedule, consumer_stage, consumes, message_key, produces
 
 MODELS = ("eager", "stream")
 Clock = list[int]
@@ -276,7 +276,7 @@ class JobModel:
         return moved
 
     def _prepost(self, send: _Op) -> bool:
-        peer = self.stage_to_rank[_consumer(send.key)]
+        peer = self.stage_to_rank[consumer_stage(send.key)]
         head = next((g for g in self.queue[peer] if g.remaining), None)
         if head is None or not head.active:
             return False
@@ -310,7 +310,7 @@ class JobModel:
 
     def _counterpart(self, op: _Op) -> _Op | None:
         if op.is_send:
-            return self.recvs.get((self.stage_to_rank[_consumer(op.key)], op.key))
+            return self.recvs.get((self.stage_to_rank[consumer_stage(op.key)], op.key))
         return self.sends.get(op.key)
 
     def _activate_eager(self, group: _Group) -> None:
@@ -395,11 +395,6 @@ def _send_text(key: DataKey) -> str:
     kind, stage, micro = key
     code = {"F": "SEND_F", "M": "SEND_META", "G": "SEND_B"}[kind]
     return f"{code}.s{stage}.m{micro}"
-
-
-def _consumer(key: DataKey) -> int:
-    kind, stage, _ = key
-    return stage - 1 if kind == "G" else stage + 1
 
 
 def producer_text(key: DataKey) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .ir import DataKey, MetaStep, Schedule, consumes, message_key, produces
+from .ir import DataKey, MetaStep, Schedule, consumer_stage, consumes, message_key, produces
 from .job_model import MODELS, producer_text
 
 Record = dict
@@ -248,8 +248,7 @@ class TimedJobModel:
             op.done = max(op.group.issued, self.meta_sent[op.key] + self.message_time(op.key))
 
     def _consumer_rank(self, key: DataKey) -> int:
-        kind, stage, _ = key
-        return self.stage_to_rank[stage - 1 if kind == "G" else stage + 1]
+        return self.stage_to_rank[consumer_stage(key)]
 
     def _counterpart(self, op: _Op) -> _Op | None:
         if op.is_send:
