@@ -82,8 +82,8 @@ def stage_indices(name: str, rank: int, world: int) -> list[int]:
     return [c * world + rank for c in range(v)]
 
 
-def build(lib: str, name: str, make_module: Any, m: int, rows: int, width: int,
-          **options: Any) -> tuple[Any, Any]:
+def build(lib: str, name: str, make_module: Any, m: int, rows: int, width: int, data: Any = None,
+          loss_fn: Any = None, **options: Any) -> tuple[Any, Any]:
     """A schedule of library ``lib`` on this rank and a no-argument call that runs one step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     indices = stage_indices(name, rank, world)
@@ -97,9 +97,9 @@ def build(lib: str, name: str, make_module: Any, m: int, rows: int, width: int,
         cls = getattr(tpp, name)
         options = {}
     single = len(stages) == 1 and name in ("ScheduleGPipe", "Schedule1F1B")
-    schedule = cls(stages[0] if single else stages, m, loss_fn=mse, **options)
+    schedule = cls(stages[0] if single else stages, m, loss_fn=loss_fn or mse, **options)
     torch.manual_seed(0)
-    x, y = torch.randn(m * rows, width), torch.randn(m * rows, width)
+    x, y = data if data is not None else (torch.randn(m * rows, width), torch.randn(m * rows, width))
     first, last = 0 in indices, num_stages - 1 in indices
 
     def step() -> None:
@@ -110,20 +110,21 @@ def build(lib: str, name: str, make_module: Any, m: int, rows: int, width: int,
     return schedule, step
 
 
-def _sleep_module(num_chunks: int, width: int = 16, split: bool = False):
+def _sleep_module(num_chunks: int, width: int = 16, split: bool = False, scale: float = 1.0):
+    unit = scale / 1e3 / num_chunks  # ms of a rank's share -> s of one of its chunks
     def make(_index: int) -> torch.nn.Module:
         if split:
-            return SleepStage(width, F_MS / 1e3 / num_chunks, I_MS / 1e3 / num_chunks, W_MS / 1e3 / num_chunks)
-        return SleepStage(width, F_MS / 1e3 / num_chunks, B_MS / 2e3 / num_chunks, B_MS / 2e3 / num_chunks)
+            return SleepStage(width, F_MS * unit, I_MS * unit, W_MS * unit)
+        return SleepStage(width, F_MS * unit, B_MS / 2 * unit, B_MS / 2 * unit)
     return make
 
 
-def ideal_makespan_ms(name: str, m: int) -> float:
+def ideal_makespan_ms(name: str, m: int, scale: float = 1.0) -> float:
     from hyper_parallel.core.pipeline_parallel.costs import CostModel
     from hyper_parallel.core.pipeline_parallel.simulate import simulate_schedule
 
     v = SCHEDULES[name][0]
-    costs = CostModel.per_rank_share(P, v, F=F_MS, B=B_MS, I=I_MS, W=W_MS)
+    costs = CostModel.per_rank_share(P, v, F=F_MS * scale, B=B_MS * scale, I=I_MS * scale, W=W_MS * scale)
     _, result = simulate_schedule(getattr(hp, name), P, v, m, costs, lowered=False)
     return float(result.makespan)
 
@@ -133,11 +134,11 @@ def _lowered_steps(schedule: Any) -> int:
 
 
 # ---------------------------------------------------------------------------- jobs (one per rank)
-def efficiency_job(m: int, rounds: int, schedules: list[str]) -> dict:
+def efficiency_job(m: int, rounds: int, schedules: list[str], scale: float = 1.0) -> dict:
     out: dict[str, Any] = {}
     for name in schedules:
         v, split, _ = SCHEDULES[name]
-        steps = {lib: build(lib, name, _sleep_module(v, split=split), m, 1, 16)[1] for lib in LIBS}
+        steps = {lib: build(lib, name, _sleep_module(v, split=split, scale=scale), m, 1, 16)[1] for lib in LIBS}
         out[name] = alternate_pairs(steps, rounds, dist.barrier)
     return out
 
@@ -156,18 +157,18 @@ def overhead_job(m: int, rounds: int, schedules: list[str]) -> dict:
     return out
 
 
-def p2p_job(m: int, rounds: int, big_width: int) -> dict:
+def p2p_job(m: int, rounds: int, big_width: int, scale: float = 1.0) -> dict:
     name = "Schedule1F1B"
     steps = {}
-    for label, width in (("small", 16), ("4MiB", big_width)):
-        make = _sleep_module(1, width)
+    for label, width in (("small", 16), ("big", big_width)):
+        make = _sleep_module(1, width, scale=scale)
         steps[f"ours|{label}"] = build("ours", name, make, m, 1, width)[1]
         steps[f"ours+overlap_p2p|{label}"] = build("ours", name, make, m, 1, width, overlap_p2p=True)[1]
         steps[f"torch|{label}"] = build("torch", name, make, m, 1, width)[1]
     out: dict[str, Any] = alternate_pairs(steps, rounds, dist.barrier)
     # The extra local compute of a 4 MiB micro-batch (forward + backward of the stage, no sleep).
     compute = {}
-    for label, width in (("small", 16), ("4MiB", big_width)):
+    for label, width in (("small", 16), ("big", big_width)):
         module = SleepStage(width, 0.0, 0.0, 0.0)
         x = torch.randn(1, width, requires_grad=True)
 
@@ -177,7 +178,7 @@ def p2p_job(m: int, rounds: int, big_width: int) -> dict:
             return time.perf_counter() - start
         compute[label] = once
     local = alternate(compute, 9)
-    out["extra_compute_s"] = median(local["4MiB"]) - median(local["small"])
+    out["extra_compute_s"] = median(local["big"]) - median(local["small"])
     # One 4 MiB message between two neighbours (rank 0 -> 1 and back), median of a few.
     buf = torch.zeros(1, big_width)
     trips = []
@@ -196,10 +197,10 @@ def p2p_job(m: int, rounds: int, big_width: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- summaries (parent)
-def summarize_efficiency(per_rank: list[dict], m: int) -> list[dict]:
+def summarize_efficiency(per_rank: list[dict], m: int, scale: float = 1.0) -> list[dict]:
     rows = []
     for name in per_rank[0]:
-        ideal = ideal_makespan_ms(name, m)
+        ideal = ideal_makespan_ms(name, m, scale)
         spans = {lib: _spans(per_rank, name, lib) for lib in LIBS}
         med = {lib: median(spans[lib]) * 1e3 for lib in LIBS}
         rows.append({"schedule": name, "chunks": SCHEDULES[name][0], "split": SCHEDULES[name][1],
@@ -225,7 +226,7 @@ def summarize_overhead(per_rank: list[dict], m: int) -> list[dict]:
     return rows
 
 
-def summarize_p2p(per_rank: list[dict], m: int) -> list[dict]:
+def summarize_p2p(per_rank: list[dict], m: int, big_width: int) -> list[dict]:
     first = per_rank[0]
     extra = max(r["extra_compute_s"] for r in per_rank)
     message = first["message_s"]
@@ -233,10 +234,10 @@ def summarize_p2p(per_rank: list[dict], m: int) -> list[dict]:
     for variant in ("ours", "ours+overlap_p2p", "torch"):
         spans = {label: median([max(r[f"{variant}|{label}"][i][1] for r in per_rank)
                                 - min(r[f"{variant}|{label}"][i][0] for r in per_rank)
-                                for i in range(len(first[f"{variant}|{label}"]))]) for label in ("small", "4MiB")}
-        delta = spans["4MiB"] - spans["small"]
+                                for i in range(len(first[f"{variant}|{label}"]))]) for label in ("small", "big")}
+        delta = spans["big"] - spans["small"]
         exposed = delta - (m + P - 1) * extra
-        rows.append({"variant": variant, "small_ms": spans["small"] * 1e3, "big_ms": spans["4MiB"] * 1e3,
+        rows.append({"variant": variant, "activation_kib": big_width * 4 / 1024, "small_ms": spans["small"] * 1e3, "big_ms": spans["big"] * 1e3,
                      "delta_ms": delta * 1e3, "compute_on_path_ms": (m + P - 1) * extra * 1e3,
                      "exposed_ms": exposed * 1e3, "message_ms": message * 1e3,
                      "exposed_messages": exposed / message if message else float("nan")})
