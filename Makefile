@@ -32,7 +32,7 @@ clean:
 	rm -rf $(VENV) build site *.egg-info
 
 # Ours against torch.distributed.pipelining, side by side (docs/performance.md): writes
-# benchmarks/results.md and benchmarks/results.json; about 6 minutes. bench-smoke: the same, reduced.
+# benchmarks/results.md and benchmarks/results.json; about 7 minutes. bench-smoke: the same, reduced.
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py
 
