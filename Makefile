@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs venv clean
+.PHONY: demo test lint docs venv clean bench bench-smoke
 
 $(STAMP): platform/cpu/requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,3 +30,11 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build site *.egg-info
+
+# Ours against torch.distributed.pipelining, side by side (docs/performance.md): writes
+# benchmarks/results.md and benchmarks/results.json; about 7 minutes. bench-smoke: the same, reduced.
+bench: $(STAMP)
+	$(PY) benchmarks/bench.py
+
+bench-smoke: $(STAMP)
+	$(PY) benchmarks/bench.py --smoke --out build/bench-smoke
