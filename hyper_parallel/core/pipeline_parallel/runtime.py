@@ -18,6 +18,7 @@ was built with ``free_sent_outputs=False``. A wait still blocked after
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,7 +134,9 @@ class PipelineRuntime:
         self.arrived_meta: dict[Key, list[TensorMeta]] = {}
         self.in_grads: dict[Key, tuple[Any, ...]] = {}  # input gradients waiting to be sent / handed over
         self.recvs: dict[tuple[str, int, int], _PendingRecv] = {}
-        self.sends: list[_PendingSend] = []
+        self.sends: deque[_PendingSend] = deque()  # backward and metadata sends, oldest first
+        # forward sends by (stage, micro-batch): settled when that micro-batch's output gradient arrives
+        self.forward_sends: dict[Key, list[_PendingSend]] = {}
         self.losses: dict[int, Any] = {}
         self.stage_outputs: dict[int, Any] = {}
         self.live_activations = 0
@@ -170,11 +173,13 @@ class PipelineRuntime:
                 self.run_step(step)
             if tracer is not None:
                 tracer.record(step, "p2p-issue" if step.meta_type.is_comm else "compute", start, tracer.now())
-            if self.sends:
+            if self.sends or self.forward_sends:
                 self.release_completed_sends()
         for pending in self.sends:
             self._wait(pending.handle, None, None)
-        self.release_completed_sends()
+        self.sends.clear()
+        for key in list(self.forward_sends):  # forward-only runs, and the outputs of the last micro-batches
+            self.settle_forward_sends(*key)
         if self.recvs:
             raise RuntimeError(f"rank {self.rank}: receives never consumed: {[str(r.step) for r in self.recvs.values()]}")
 
@@ -338,18 +343,18 @@ class PipelineRuntime:
     def communicate(self, steps: Sequence[MetaStep]) -> None:
         """Issue the sends and post the receives of ``steps`` (one batched call with ``batch_p2p``)."""
         ops: list[P2POp] = []
-        sends: list[tuple[int, Any, list[Any]]] = []  # (op index, tensor, tensors to release)
+        sends: list[tuple[int, Any, list[Any], Key | None]] = []  # (op index, tensor, to release, forward key)
         recvs: list[tuple[MetaStep, int, list[Any], list[TensorMeta], int]] = []
         for step in steps:
             peer = self._peer(step)
             kind = step.meta_type
             if kind is _T.FWD_SEND:
                 for tensor, release in self._forward_send_tensors(step, peer):
-                    sends.append((len(ops), tensor, release))
+                    sends.append((len(ops), tensor, release, (step.stage_index, step.micro_index)))
                     ops.append(P2POp("isend", tensor, peer, self.group, self.tag))
             elif kind is _T.BWD_SEND:
                 for tensor in self._backward_send_tensors(step):
-                    sends.append((len(ops), tensor, []))
+                    sends.append((len(ops), tensor, [], None))
                     ops.append(P2POp("isend", tensor, peer, self.group, self.tag))
             elif kind in (_T.FWD_RECV, _T.BWD_RECV):
                 metas = self._recv_metas(step)
@@ -359,8 +364,12 @@ class PipelineRuntime:
             else:
                 raise ValueError(f"rank {self.rank}: {step} is not a data send or receive")
         handles = self._issue(ops)
-        for op_index, tensor, release in sends:
-            self.sends.append(_PendingSend(handles[op_index], tensor, release))
+        for op_index, tensor, release, forward_key in sends:
+            pending = _PendingSend(handles[op_index], tensor, release)
+            if forward_key is None:
+                self.sends.append(pending)
+            else:
+                self.forward_sends.setdefault(forward_key, []).append(pending)
         for step, peer, buffers, metas, first in recvs:
             key = ("F" if step.meta_type is _T.FWD_RECV else "B", step.stage_index, step.micro_index)
             if key in self.recvs:
@@ -431,6 +440,8 @@ class PipelineRuntime:
             self._wait(h, recv.step, recv.peer)
         if tracer is not None:
             tracer.record(recv.step, "p2p-wait", start, tracer.now())
+        if kind == "B" and self.forward_sends:
+            self.settle_forward_sends(s, i)
         return recv
 
     def _wait(self, handle: Handle, step: MetaStep | None, peer: int | None) -> None:
@@ -477,12 +488,23 @@ class PipelineRuntime:
         ]
 
     def release_completed_sends(self) -> None:
-        """Release the storage of sent outputs whose sends have completed."""
-        still = []
-        for pending in self.sends:
-            if pending.handle.is_completed():
-                for t in pending.release:
-                    self.p.release_storage(t)
-            else:
-                still.append(pending)
-        self.sends = still
+        """Free the sent outputs and let go of the sends that have completed, oldest first. Sends
+        complete roughly in order, so this stops at the first one still in flight: constant work
+        per step instead of a scan of every pending send."""
+        while self.forward_sends:
+            key = next(iter(self.forward_sends))
+            if not all(pending.handle.is_completed() for pending in self.forward_sends[key]):
+                break
+            self.settle_forward_sends(*key)
+        while self.sends and self.sends[0].handle.is_completed():
+            self.sends.popleft()
+
+    def settle_forward_sends(self, s: int, i: int) -> None:
+        """Wait for the sends of stage s's output of micro-batch i and free what they sent. Called when
+        that micro-batch's output gradient has arrived: the peer used the output to compute it, so the
+        wait returns at once (some engines report a send completed only once it is waited for, which
+        would otherwise keep every sent output until the end of the run)."""
+        for pending in self.forward_sends.pop((s, i), ()):
+            self._wait(pending.handle, None, None)
+            for t in pending.release:
+                self.p.release_storage(t)
