@@ -75,6 +75,19 @@ def test_every_schedule_with_uneven_layers_and_mixed_policies(schedule, swap):
         assert _pairs_of_unequal_chunks(job, results), [r["compute"] for r in results]
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "overlap_b_f"])
+def test_two_chunk_schedules_at_four_ranks_with_uneven_layers(schedule):
+    """p=4, m=8, eight stages of 2, 0, 1, 1, 0, 2, 1, 1 blocks with mixed policies and schedule
+    swap (DualPipeV runs this on 4 gloo processes, test_pp_activation_gloo.py)."""
+    layers = (2, 0, 1, 1, 0, 2, 1, 1)
+    config = small_config(n_layers=sum(layers))
+    tokens, targets = batch(config, 16)
+    job = ActJob(schedule, 8, config, tokens, targets, layers=layers, policy="mixed", options=SWAP)
+    results = _run_and_check("torch", 4, job)
+    if schedule in PAIRS:
+        assert _pairs_of_unequal_chunks(job, results)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", *SPLIT, "overlap_b_f"])
 @pytest.mark.parametrize("policy", ["plain", "checkpoint", "selective", "swap", "stage_checkpoint"])
 def test_each_policy_alone_with_schedule_swap(schedule, policy):
