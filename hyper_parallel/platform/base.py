@@ -400,6 +400,12 @@ class Platform(ABC):
         """
         raise NotImplementedError(f"the {self.name} platform has no differentiable sync points")
 
+    def compiled_stages(self) -> str | None:
+        """Why stage steps would run as compiled graphs now (for error messages), or None when they
+        run op by op. Python code inside a compiled stage (hooks, sync points, Python-level
+        communication) does not run at each step."""
+        return None
+
     def run_helper_threads(self, targets: Sequence[Callable[[], None]]) -> None:
         """Run every target on a thread of its own that acts for this rank; return when all ended.
 

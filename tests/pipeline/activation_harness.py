@@ -16,67 +16,30 @@ import numpy as np
 from pp_harness import SCHEDULES, models
 
 from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper, is_recomputing, swap_wrapper
-from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.memory_stats import memory_stats, track_memory
-from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B, ScheduleInterleaved1F1B
-from hyper_parallel.core.pipeline_parallel.schedules import generate_1f1b, generate_interleaved_1f1b
+from hyper_parallel.core.pipeline_parallel.schedule import ScheduleInterleaved1F1B
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import (
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from hyper_parallel.demo.gpt import init_gpt_weights
 from hyper_parallel.platform import get_platform
 
-_T = MetaStepType
 LINEARS = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")  # kept by the selective policy
 POLICIES = ("plain", "checkpoint", "selective", "swap", "mixed", "stage_checkpoint")
 
 
-class SplitBackward1F1B(Schedule1F1B):
-    """1F1B with every backward split into I, and every W put after the rank's last step."""
-
-    @classmethod
-    def _generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int):  # type: ignore[no-untyped-def]
-        out = {}
-        for rank, steps in generate_1f1b(num_ranks, num_microbatches).items():
-            kept, deferred = [], []
-            for step in steps:
-                if step is not None and step.meta_type is _T.BWD:
-                    kept.append(MetaStep(step.micro_index, _T.BWD_INPUT, step.stage_index))
-                    deferred.append(MetaStep(step.micro_index, _T.BWD_WEIGHT, step.stage_index))
-                else:
-                    kept.append(step)
-            out[rank] = kept + deferred
-        return out
-
-
-class FusedOverlapInterleaved(ScheduleInterleaved1F1B):
-    """Interleaved 1F1B where every backward directly followed by a forward of the other chunk
-    becomes one OVERLAP_B_F step (a stand-in until the overlap_b_f schedules land; the runtime runs
-    the two parts back to back)."""
-
-    @classmethod
-    def _generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int):  # type: ignore[no-untyped-def]
-        out = {}
-        for rank, steps in generate_interleaved_1f1b(num_ranks, num_chunks, num_microbatches).items():
-            fused: list[MetaStep | None] = []
-            k = 0
-            while k < len(steps):
-                step, nxt = steps[k], steps[k + 1] if k + 1 < len(steps) else None
-                if (step is not None and nxt is not None and step.meta_type is _T.BWD and nxt.meta_type is _T.FWD
-                        and step.stage_index != nxt.stage_index):
-                    fused.append(MetaStep(None, _T.OVERLAP_B_F, None, (step, nxt)))
-                    k += 2
-                else:
-                    fused.append(step)
-                    k += 1
-            out[rank] = fused
-        return out
-
-
-# name -> (class, chunks per rank); extend with the real OVERLAP_B_F schedules once they land
+# name -> (class, chunks per rank): the plain schedules, and the real dx/dW-split and OVERLAP_B_F ones
 ACT_SCHEDULES: dict[str, tuple[Any, int]] = {
     **SCHEDULES,
-    "split_1f1b": (SplitBackward1F1B, 1),
-    "overlap_pairs": (FusedOverlapInterleaved, 2),
+    "zb_h1": (ScheduleInterleavedZeroBubble, 1),  # I/W split, one stage per rank
+    "zbv": (ScheduleZBVZeroBubble, 2),  # I/W split, V placement
+    "dualpipe_v": (ScheduleDualPipeV, 2),  # V placement, OVERLAP_B_F pairs and I/W split; m >= 2p
+    "overlap_b_f": (ScheduleInterleaved1F1B, 2),  # with SCHEDULE_OPTIONS below: OVERLAP_B_F pairs
 }
+SCHEDULE_OPTIONS: dict[str, dict[str, Any]] = {"overlap_b_f": {"overlap_b_f": True}}
 
 
 @dataclass
@@ -169,7 +132,8 @@ def run_act_job(job: ActJob) -> dict[str, Any]:
             _count_hooks(module, counts)
         counts["blocks"] += len(module.blocks)
         stages.append(PipelineStage(module, s, num_stages))
-    schedule = cls(stages if chunks > 1 else stages[0], job.micro, loss_fn=mod.cross_entropy_loss, **job.options)
+    options = {**SCHEDULE_OPTIONS.get(job.schedule, {}), **job.options}
+    schedule = cls(stages if chunks > 1 else stages[0], job.micro, loss_fn=mod.cross_entropy_loss, **options)
     if job.track:
         track_memory(schedule)
     target = p.from_numpy(job.targets) if stages[-1].is_last else None

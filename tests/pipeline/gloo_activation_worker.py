@@ -21,17 +21,22 @@ P = 4
 SWAP = {"swap": True, "swap_threshold": 2}
 CASES = {  # name -> (schedule, blocks per stage, policy, options)
     "1f1b-mixed-swap": ("1f1b", (3, 0, 1, 2), "mixed", SWAP),
-    "split-checkpoint-swap": ("split_1f1b", (1, 2, 2, 1), "checkpoint", SWAP),
+    "zb_h1-checkpoint-swap": ("zb_h1", (1, 2, 2, 1), "checkpoint", SWAP),
     "interleaved-selective-swap": ("interleaved", (2, 0, 1, 1, 0, 2, 1, 1), "selective", SWAP),
+    # V placement over 8 stages, DualPipeV needs m >= 2p; its OVERLAP_B_F pairs join chunks of
+    # different block counts (stages r and 7-r: 2 and 1, 0 and 1, 1 and 2, 1 and 0 blocks)
+    "dualpipe_v-mixed-swap": ("dualpipe_v", (2, 0, 1, 1, 0, 2, 1, 1), "mixed", SWAP),
 }
 MICRO = 4
+MICRO_OF = {"dualpipe_v-mixed-swap": 2 * P}
 
 
 def job_for(name: str) -> ActJob:
     schedule, layers, policy, options = CASES[name]
     config = small_config(n_layers=sum(layers))
-    tokens, targets = batch(config, 2 * MICRO)
-    return ActJob(schedule, MICRO, config, tokens, targets, layers=layers, policy=policy, options=dict(options))
+    micro = MICRO_OF.get(name, MICRO)
+    tokens, targets = batch(config, 2 * micro)
+    return ActJob(schedule, micro, config, tokens, targets, layers=layers, policy=policy, options=dict(options))
 
 
 def main(out_dir: str) -> None:

@@ -100,7 +100,8 @@ def run_job(job: Job) -> dict[str, Any]:
         losses = schedule.run(p.from_numpy(tokens), target=target, **kwargs)
         all_losses.append([float(p.to_numpy(x)) for x in losses])
     grads = {name: p.to_numpy(g).copy() for st in stages for name, g in st.named_gradients().items()}
-    return {"losses": all_losses, "grads": grads, "peak": schedule.peak_activations,
+    kinds = sorted({st.meta_type.name for st in schedule.compute_schedule[schedule.pp_rank] if st is not None})
+    return {"losses": all_losses, "grads": grads, "peak": schedule.peak_activations, "step_kinds": kinds,
             "outputs": None if schedule.outputs is None else p.to_numpy(schedule.outputs)}
 
 

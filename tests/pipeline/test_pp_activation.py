@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from activation_harness import ACT_SCHEDULES, ActJob, run_act_job
+from activation_harness import ACT_SCHEDULES, ActJob, layer_ranges, run_act_job
 from pp_harness import batch, check_against_oracle, full_model_oracle, merged, small_config
 
 from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B
@@ -14,6 +14,8 @@ from hyper_parallel.platform.local import LocalCluster
 
 pytestmark = pytest.mark.timeout(600)
 SWAP = {"swap": True, "swap_threshold": 2}
+SPLIT = ["zb_h1", "zbv", "dualpipe_v"]  # the dx/dW split (I and W steps)
+PAIRS = ["dualpipe_v", "overlap_b_f"]  # OVERLAP_B_F steps
 
 
 def _setup(schedule: str) -> tuple[int, tuple[int, ...]]:
@@ -23,6 +25,7 @@ def _setup(schedule: str) -> tuple[int, tuple[int, ...]]:
 
 
 def _job(schedule: str, policy: str, options: dict | None = None, micro: int = 4, **kw) -> tuple[int, ActJob]:
+    """Two micro-batches per rank-pair at least (DualPipeV needs m >= 2p: p=2, m=4)."""
     world, layers = _setup(schedule)
     config = small_config(n_layers=sum(layers))
     tokens, targets = batch(config, 2 * micro)
@@ -39,7 +42,23 @@ def _run_and_check(framework: str, world: int, job: ActJob, expect_swap: bool = 
     if job.options.get("swap"):
         assert all(r["stats"]["late_loads"] == 0 for r in results), [r["stats"] for r in results]
         assert any(r["stats"]["swapped"] for r in results) == expect_swap, [r["stats"] for r in results]
+    steps = [s for r in results for s in r["compute"] if s is not None]  # the real schedules ran:
+    assert any(s.startswith("I.") for s in steps) == (job.schedule in SPLIT), steps  # I/W steps
+    assert any(s.startswith("OVERLAP_B_F") for s in steps) == (job.schedule in PAIRS), steps  # pairs
     return results
+
+
+def _pairs_of_unequal_chunks(job: ActJob, results: list[dict]) -> list[str]:
+    """The OVERLAP_B_F steps that ran whose backward and forward stages hold different block counts."""
+    blocks = [len(r) for r in layer_ranges(job.config.n_layers, job.layers)]
+    out = []
+    for r in results:
+        for step in r["compute"]:
+            if step is not None and step.startswith("OVERLAP_B_F"):
+                b, f = step[len("OVERLAP_B_F["):-1].split("+")
+                if blocks[int(b.split(".")[1][1:])] != blocks[int(f.split(".")[1][1:])]:
+                    out.append(step)
+    return out
 
 
 # ---------------------------------------------------------------- torch LocalCluster
@@ -47,13 +66,29 @@ def _run_and_check(framework: str, world: int, job: ActJob, expect_swap: bool = 
 @pytest.mark.parametrize("schedule", list(ACT_SCHEDULES))
 def test_every_schedule_with_uneven_layers_and_mixed_policies(schedule, swap):
     """Per-block mix of checkpoint, selective, swap_wrapper and plain; stages of 3, 0, 1, 2 blocks
-    (chunks of 2 and 0 blocks on one rank, 1 and 3 on the other for two-chunk schedules, so the
-    OVERLAP_B_F pairs of ``overlap_pairs`` join chunks of different sizes)."""
+    for one-chunk schedules (p=4, m=4), of 2, 1, 0, 3 blocks for two-chunk ones (p=2, m=4: a rank
+    holds chunks of 2 and 0 blocks, or of 1 and 3 looped / 2 and 3, 1 and 0 in the V), so the real
+    OVERLAP_B_F pairs of DualPipeV and overlap_b_f=True join chunks of different sizes."""
     world, job = _job(schedule, "mixed", SWAP if swap else None)
-    _run_and_check("torch", world, job)
+    results = _run_and_check("torch", world, job)
+    if schedule in PAIRS:
+        assert _pairs_of_unequal_chunks(job, results), [r["compute"] for r in results]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "split_1f1b"])
+@pytest.mark.parametrize("schedule", ["zbv", "overlap_b_f"])
+def test_two_chunk_schedules_at_four_ranks_with_uneven_layers(schedule):
+    """p=4, m=8, eight stages of 2, 0, 1, 1, 0, 2, 1, 1 blocks with mixed policies and schedule
+    swap (DualPipeV runs this on 4 gloo processes, test_pp_activation_gloo.py)."""
+    layers = (2, 0, 1, 1, 0, 2, 1, 1)
+    config = small_config(n_layers=sum(layers))
+    tokens, targets = batch(config, 16)
+    job = ActJob(schedule, 8, config, tokens, targets, layers=layers, policy="mixed", options=SWAP)
+    results = _run_and_check("torch", 4, job)
+    if schedule in PAIRS:
+        assert _pairs_of_unequal_chunks(job, results)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", *SPLIT, "overlap_b_f"])
 @pytest.mark.parametrize("policy", ["plain", "checkpoint", "selective", "swap", "stage_checkpoint"])
 def test_each_policy_alone_with_schedule_swap(schedule, policy):
     """With every block swap-wrapped, or the whole stage checkpointed, the schedule finds nothing
@@ -62,7 +97,7 @@ def test_each_policy_alone_with_schedule_swap(schedule, policy):
     _run_and_check("torch", world, job, expect_swap=policy in ("plain", "checkpoint", "selective"))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "split_1f1b", "overlap_pairs"])
+@pytest.mark.parametrize("schedule", ["1f1b", *SPLIT, "overlap_b_f"])
 def test_recompute_hooks_fire_once(schedule):
     world, job = _job(schedule, "checkpoint", SWAP, count_hooks=True)
     for r in _run_and_check("torch", world, job):
@@ -181,8 +216,9 @@ def test_mindspore_mixed_policies_uneven_layers_and_swap():
     _run_and_check("mindspore", world, job)
 
 
-def test_mindspore_split_backward_with_recompute_and_swap():
-    world, job = _job("split_1f1b", "checkpoint", SWAP, count_hooks=True)
+def test_mindspore_zbv_with_recompute_and_swap():
+    """ZB-V (dx/dW split, V placement, uneven chunks) with every block checkpointed and schedule swap."""
+    world, job = _job("zbv", "checkpoint", SWAP, count_hooks=True)
     for r in _run_and_check("mindspore", world, job):
         calls = job.micro * r["hooks"]["blocks"]
         assert (r["hooks"]["forward_once"], r["hooks"]["forward_all"]) == (calls, 2 * calls)

@@ -27,7 +27,13 @@ from pp_harness import (
     wrappers,
 )
 
-from hyper_parallel import BatchDimSpec
+from hyper_parallel import (
+    BatchDimSpec,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 from hyper_parallel.platform.local import LocalCluster
 
 ms = pytest.importorskip("mindspore")
@@ -64,15 +70,43 @@ def _compare(results: list[dict[str, Any]], ref_loss: float, ref_grads: dict[str
         np.testing.assert_allclose(grads[name], ref_grads[name], **TOL["mindspore"], err_msg=name)
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_every_schedule_tied_and_two_tensors_matches_non_pipelined(setting: str, schedule: str) -> None:
+# the dx/dW split (I and W steps) and OVERLAP_B_F pairs: name -> (class, chunks, options)
+SPLIT_AND_PAIRS = {
+    "zb_h1": (ScheduleInterleavedZeroBubble, 1, {}),
+    "zbv": (ScheduleZBVZeroBubble, 2, {}),
+    "dualpipe_v": (ScheduleDualPipeV, 2, {}),
+    "overlap_b_f": (ScheduleInterleaved1F1B, 2, {"overlap_b_f": True}),
+}
+MICRO = {"dualpipe_v": 2 * P}  # DualPipeV needs m >= 2p; the others run 3 micro-batches
+
+
+@pytest.fixture
+def split_and_pairs() -> Iterator[None]:
+    SCHEDULES.update({name: (cls, chunks) for name, (cls, chunks, _) in SPLIT_AND_PAIRS.items()})
+    yield
+    for name in SPLIT_AND_PAIRS:
+        del SCHEDULES[name]
+
+
+def _steps_ran(results: list[dict[str, Any]]) -> set[str]:
+    return {kind for r in results for kind in r["step_kinds"]}
+
+
+@pytest.mark.parametrize("schedule", [*SCHEDULES, *SPLIT_AND_PAIRS])
+def test_every_schedule_tied_and_two_tensors_matches_non_pipelined(setting: str, schedule: str,
+                                                                   split_and_pairs: None) -> None:
     chunks = SCHEDULES[schedule][1]
+    micro = MICRO.get(schedule, 3)
     config = small_config(n_layers=2 * chunks, tie_embeddings=True, two_tensor_boundary=True)
-    tokens, targets = batch(config, 6)
+    tokens, targets = batch(config, 2 * micro)
     ref_loss, ref_grads = full_model_oracle("mindspore", config, tokens, targets)
-    results = _run(setting, Job(schedule, 3, config, tokens, targets))
+    options = SPLIT_AND_PAIRS[schedule][2] if schedule in SPLIT_AND_PAIRS else {}
+    results = _run(setting, Job(schedule, micro, config, tokens, targets, options=options))
     losses, grads = merged(results)
-    assert len(losses[0]) == 3
+    assert len(losses[0]) == micro
+    kinds = _steps_ran(results)
+    assert ("BWD_INPUT" in kinds) == (schedule in ("zb_h1", "zbv", "dualpipe_v")), kinds
+    assert ("OVERLAP_B_F" in kinds) == (schedule in ("dualpipe_v", "overlap_b_f")), kinds
     check_against_oracle("mindspore", losses[0], grads, ref_loss, ref_grads, tie=True)
     np.testing.assert_array_equal(grads["tok_emb"], grads["head.weight"])  # shared_parameters summed them
 
@@ -137,16 +171,20 @@ def _jit_stage_class() -> Any:
     return JitStage
 
 
-@pytest.mark.parametrize("mode", ["pynative", "graph"])
-def test_user_jit_stage_cells(mode: str) -> None:
-    config = small_config(n_layers=2)
+@pytest.mark.parametrize(("mode", "schedule"), [("pynative", "1f1b"), ("graph", "1f1b"), ("pynative", "zbv")])
+def test_user_jit_stage_cells(mode: str, schedule: str, split_and_pairs: None) -> None:
+    """First and last stages compiled by the user's ``@ms.jit``; with ZB-V (dx/dW split, both on
+    rank 0 in the V) their input backward takes dW too and the weight step adds it."""
+    chunks = SCHEDULES[schedule][1]
+    config = small_config(n_layers=2 * chunks)
     tokens, targets = batch(config, 4)
     jit_stage = _jit_stage_class()
-    job = Job("1f1b", 2, config, tokens, targets, wrap_first=jit_stage, wrap_last=jit_stage)
+    job = Job(schedule, 2, config, tokens, targets, wrap_first=jit_stage, wrap_last=jit_stage)
     ref_loss, ref_grads = full_model_oracle("mindspore", config, tokens, targets)
     results = _run("graph" if mode == "graph" else "pynative", job)
     losses, grads = merged(results)
     check_against_oracle("mindspore", losses[0], grads, ref_loss, ref_grads)
+    assert ("BWD_INPUT" in _steps_ran(results)) == (schedule == "zbv")
 
 
 def _one_step_then_sgd(lr: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -215,3 +253,62 @@ def test_graph_mode_stages_of_the_runtime_are_compiled(caplog: pytest.LogCapture
         ms.set_context(mode=ms.PYNATIVE_MODE)
     assert results == [[True], [True]]
     assert "cannot compile the stage function" not in caplog.text
+
+
+def _overlap_schedule(name: str, switch_to_graph: bool) -> str:
+    """Build ``name`` with a CommComputeOverlap on this rank; with ``switch_to_graph`` build it in
+    PyNative, then run it under GRAPH_MODE. Returns "built" or the ValueError's message."""
+    from hyper_parallel import PipelineStage
+    from hyper_parallel.core.pipeline_parallel.overlap import CommComputeOverlap
+    from hyper_parallel.demo import gpt_mindspore
+    from hyper_parallel.demo.gpt import init_gpt_weights
+    from hyper_parallel.platform import get_platform
+
+    p = get_platform()
+    cls, chunks, options = SPLIT_AND_PAIRS[name]
+    placement = cls.stage_placement(P, chunks)
+    config = small_config(n_layers=len(placement))
+    weights = init_gpt_weights(config, 0)
+    stages = [PipelineStage(gpt_mindspore.GPTStage(config, s, len(placement), weights), s, len(placement))
+              for s in sorted(s for s, r in placement.items() if r == p.rank)]
+    m = MICRO.get(name, 3)
+    try:
+        schedule = cls(stages, m, loss_fn=gpt_mindspore.cross_entropy_loss, comm_compute_overlap=CommComputeOverlap(),
+                       **options)
+        if not switch_to_graph:
+            return "built"
+        p.barrier()
+        if p.rank == 0:
+            ms.set_context(mode=ms.GRAPH_MODE)
+        p.barrier()
+        tokens, targets = batch(config, 2 * m)
+        schedule.run(p.from_numpy(tokens), target=p.from_numpy(targets) if stages[-1].is_last else None)
+        return "ran"
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("name", ["dualpipe_v", "overlap_b_f"])
+def test_comm_compute_overlap_is_refused_with_compiled_stages(setting: str, name: str) -> None:
+    """The sync points of CommComputeOverlap's wrapped layers are Python calls that a compiled
+    stage graph does not make (none fired under GRAPH_MODE): the schedule refuses the pair at
+    construction, and at run time when the context became GRAPH_MODE after construction. Op by op
+    (PyNative, compile auto) it is accepted."""
+    expected = "comm_compute_overlap needs stages that run op by op, but the MindSpore platform compiles every stage"
+    mode = ms.GRAPH_MODE if setting == "graph" else ms.PYNATIVE_MODE
+    ms.set_context(mode=mode)
+    try:
+        refused = LocalCluster(P, platform="mindspore").run(_overlap_schedule, name, False)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert all(expected in m and "HYPER_PARALLEL_MS_COMPILE=eager" in m for m in refused), refused
+    assert all(("HYPER_PARALLEL_MS_COMPILE=" + ("auto" if setting == "graph" else "jit")) in m for m in refused), refused
+
+
+def test_comm_compute_overlap_is_checked_again_when_a_run_starts() -> None:
+    try:
+        results = LocalCluster(P, platform="mindspore").run(_overlap_schedule, "dualpipe_v", True)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert all("comm_compute_overlap needs stages that run op by op" in m and "GRAPH_MODE" in m for m in results), results
+    assert LocalCluster(P, platform="mindspore").run(_overlap_schedule, "dualpipe_v", False) == ["built", "built"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.overlap import CommComputeOverlap
+from hyper_parallel.core.pipeline_parallel.overlap import CommComputeOverlap, HookCoordinator
 from hyper_parallel.core.pipeline_parallel.schedule import ScheduleInterleaved1F1B
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 from hyper_parallel.platform import get_platform
@@ -197,3 +197,63 @@ def test_overlap_b_f_bitwise_and_oracle_local(framework):
             np.testing.assert_allclose(res["off"]["grads"][name], want, rtol=TOL[framework]["rtol"],
                                        atol=TOL[framework]["atol"] * scale, err_msg=f"rank {rank} {name}")
     assert sum(bool(res["off"]["losses"]) for res in results) == 2  # the last stage's ranks, one per ep rank
+
+
+# ---------------------------------------------------------------- recompute and swap inside real pairs
+def rank_body_policies(framework):
+    """The overlapped schedule three ways: as is, with every MoE stage checkpointed (its forward,
+    all-to-alls and sync points included, re-runs in the backward side of a pair), and with
+    schedule-driven swap. Each returns losses, gradients, swapped keys and the coordinator's trace."""
+    import hyper_parallel as hp
+    from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
+    from hyper_parallel.core.pipeline_parallel.memory_stats import memory_stats
+
+    p = get_platform()
+    mesh = hp.init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))
+    pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
+    group = mesh.get_group("ep")
+    x, y = data(ep)
+    out = {}
+    for mode, options in (("on", {}), ("checkpoint", {}), ("swap", {"swap": True, "swap_threshold": 2})):
+        trace: list[tuple[str, str]] = []
+        overlap = CommComputeOverlap(timeout=TIMEOUT)
+        overlap.coordinator = HookCoordinator(TIMEOUT, trace=lambda event, side, role, _t=trace: _t.append((event, side)))
+        indices = [c * PP + pp for c in range(CHUNKS)]
+        modules = [make_stage(framework, s, ep, group, overlap) for s in indices]
+        if mode == "checkpoint":
+            for module in modules:
+                checkpoint_wrapper(module)
+        stages = [PipelineStage(m, s, STAGES, mesh=mesh) for m, s in zip(modules, indices, strict=True)]
+        schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=loss_fn(framework), overlap_b_f=True,
+                                           comm_compute_overlap=overlap, **options)
+        losses = schedule.run(p.from_numpy(x), target=p.from_numpy(y) if stages[-1].is_last else None)
+        out[mode] = {"losses": [float(to_numpy(framework, v)) for v in losses],
+                     "grads": {f"{s}.{n}": to_numpy(framework, g) for s, st in zip(indices, stages, strict=True)
+                               for n, g in st.named_gradients().items()},
+                     "trace": trace,
+                     "swapped": memory_stats(schedule).swapped if mode == "swap" else None}
+    return out
+
+
+def _by_side(trace):
+    """Each side's events in its order (the two sides' first events race: the second side's
+    initial wait is logged from its own thread while the first side runs)."""
+    return {side: [event for event, s in trace if s == side] for side in ("forward", "backward")}
+
+
+def test_checkpoint_and_swap_inside_real_overlap_pairs_torch():
+    """Checkpointed MoE stages in the pairs of ScheduleInterleaved1F1B(overlap_b_f=True) on a
+    CommComputeOverlap: the re-run of a forward (its all-to-alls and sync points) inside the backward
+    side makes no sync point fire again -- the coordinator's turns are exactly those of the run
+    without recompute -- and losses and gradients are bitwise the same; with swap=True too, and the
+    schedule swaps micro-batches of both ranks."""
+    results = LocalCluster(PP * EP, "torch", timeout=TIMEOUT).run(rank_body_policies, "torch")
+    for rank, res in enumerate(results):
+        assert res["on"]["trace"], rank  # the sides took turns at the wrapped all-to-alls
+        for mode in ("checkpoint", "swap"):
+            assert _by_side(res[mode]["trace"]) == _by_side(res["on"]["trace"]), (rank, mode)
+            assert res[mode]["losses"] == res["on"]["losses"], (rank, mode)
+            assert sorted(res[mode]["grads"]) == sorted(res["on"]["grads"]), (rank, mode)
+            for name, grad in res["on"]["grads"].items():
+                assert np.array_equal(res[mode]["grads"][name], grad), (rank, mode, name)
+        assert res["swap"]["swapped"], rank

@@ -282,7 +282,14 @@ def test_a_side_waits_at_most_the_timeout():
     coordinator.disable()
 
 
-def test_sync_points_do_nothing_while_recomputing():
+@pytest.mark.parametrize("flag", ["overlap", "checkpoint_wrapper"])
+def test_sync_points_do_nothing_while_recomputing(flag):
+    """Inside ``overlap.recomputing()``, and inside the re-run of a ``checkpoint_wrapper`` module
+    (the activation machinery's own per-thread flag, which the coordinator once ignored: a
+    checkpointed MoE layer's re-run then took turns and departed its side)."""
+    from hyper_parallel.platform.activations import state
+
+    rerun = recomputing if flag == "overlap" else state.recomputing
     scripts = {
         "b": [("seg", "c0"), ("recompute", COMPUTE), ("seg", "c1"), ("sync", COMPUTE), ("seg", "c2")],
         "f": [("seg", "c0")],
@@ -298,9 +305,10 @@ def test_sync_points_do_nothing_while_recomputing():
                 elif item[0] == "sync":
                     coordinator.sync(item[1])
                 else:
-                    with recomputing():
+                    with rerun():
                         assert is_recomputing()
                         coordinator.sync(item[1])
+                        coordinator.depart()
                     assert not is_recomputing()
 
     coordinator.enable("b", "f")

@@ -7,7 +7,16 @@ import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.lowering import lower
-from hyper_parallel.core.pipeline_parallel.schedules import generate_1f1b, generate_gpipe, generate_interleaved_1f1b
+from hyper_parallel.core.pipeline_parallel.placement import looped_placement, v_placement
+from hyper_parallel.core.pipeline_parallel.schedules import (
+    generate_1f1b,
+    generate_dualpipe_v,
+    generate_gpipe,
+    generate_interleaved_1f1b,
+    generate_interleaved_zero_bubble,
+    generate_zbv_zero_bubble,
+)
+from hyper_parallel.core.pipeline_parallel.schedules.overlap_pairs import fuse_overlap_pairs
 from hyper_parallel.core.pipeline_parallel.swap import check_threshold, insert_swap_steps, swapped_keys
 from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
 
@@ -112,6 +121,72 @@ def test_swapped_lists_still_validate():
     lowered = lower(compute, stage_to_rank, "plain", metadata="first", prefetch=False)
     swapped = {r: insert_swap_steps(st, swapped_keys(compute[r], 2)) for r, st in lowered.items()}
     validate_lowered(swapped, stage_to_rank, 8, "plain", False)
+
+
+def _real(name, p, m):
+    """(compute lists, stage -> rank) of the dx/dW-split and OVERLAP_B_F schedules."""
+    if name == "zb_h1":
+        return generate_interleaved_zero_bubble(p, 1, m), looped_placement(p, 1)
+    if name == "zb_interleaved":
+        return generate_interleaved_zero_bubble(p, 2, m), looped_placement(p, 2)
+    if name == "zbv":
+        return generate_zbv_zero_bubble(p, m), v_placement(p)
+    if name == "dualpipe_v":
+        return generate_dualpipe_v(p, m), v_placement(p)
+    placement = looped_placement(p, 2)  # Interleaved1F1B(overlap_b_f=True)
+    return fuse_overlap_pairs(generate_interleaved_1f1b(p, 2, m), placement), placement
+
+
+REAL = [("zb_h1", 4, 8), ("zb_interleaved", 2, 4), ("zbv", 2, 4), ("zbv", 4, 8), ("dualpipe_v", 2, 4),
+        ("dualpipe_v", 4, 8), ("overlap_b_f", 2, 4), ("overlap_b_f", 4, 8)]
+
+
+def _compute_index(steps, kinds, s, m):
+    """Index in ``steps`` of the compute step that holds a part of kind ``kinds`` for (s, m)."""
+    return next(j for j, st in enumerate(steps) if st.meta_type.is_compute and any(
+        q.meta_type in kinds and (q.stage_index, q.micro_index) == (s, m) for q in st.parts))
+
+
+@pytest.mark.parametrize("threshold", [2, 4])
+@pytest.mark.parametrize(("name", "p", "m"), REAL, ids=[f"{n}-p{p}-m{m}" for n, p, m in REAL])
+def test_swap_pass_on_split_and_overlap_schedules(name, p, m, threshold):
+    """The pass on the real ZB-H1, ZB-V, DualPipeV and overlap_b_f lists: every swapped (stage,
+    micro) gets its four steps once, the offload right after the step holding its forward (an
+    OVERLAP_B_F pair included), the load waited right before the step holding its B or I (so
+    before W), the load launched before the compute step preceding that; the lists still validate."""
+    compute, placement = _real(name, p, m)
+    lowered = lower(compute, placement, "plain", metadata="first", prefetch=False)
+    swapped = {}
+    for rank, steps in lowered.items():
+        keys = swapped_keys(compute[rank], threshold)
+        out = swapped[rank] = insert_swap_steps(steps, keys)
+        assert len(out) == len(steps) + 4 * len(keys)
+        swap_steps = [(st.meta_type, st.stage_index, st.micro_index) for st in out if st.meta_type.name.startswith("SWAP_")]
+        assert sorted({(s, i) for _, s, i in swap_steps}) == keys
+        assert len(set(swap_steps)) == len(swap_steps), "each swap step once"
+        computes = [j for j, st in enumerate(out) if st.meta_type.is_compute]
+        for s, i in keys:
+            at = {st.meta_type: j for j, st in enumerate(out)
+                  if st.meta_type.name.startswith("SWAP_") and (st.stage_index, st.micro_index) == (s, i)}
+            f = _compute_index(out, (T.FWD,), s, i)
+            b = _compute_index(out, (T.BWD, T.BWD_INPUT), s, i)
+            lo, wo, ll, wl = (at[T.SWAP_LAUNCH_OFFLOAD], at[T.SWAP_WAIT_OFFLOAD], at[T.SWAP_LAUNCH_LOAD],
+                              at[T.SWAP_WAIT_LOAD])
+            assert f < lo < wo < ll < wl < b, (rank, s, i, [str(x) for x in out])
+            assert _only_swap_steps(out, f + 1, lo) and _only_swap_steps(out, wl, b)
+            between = [j for j in computes if f < j < b]
+            if between:
+                assert between[0] < wo and _only_swap_steps(out, between[0] + 1, wo), "offload waited after the next compute"
+            if len(between) > 1:
+                assert ll < between[-1] and _only_swap_steps(out, ll, between[-1]), "load overlaps the step before B"
+            weights = [j for j, st in enumerate(out) if any(
+                q.meta_type is T.BWD_WEIGHT and (q.stage_index, q.micro_index) == (s, i) for q in st.parts)]
+            assert all(j > b for j in weights)
+    validate_lowered(swapped, placement, m, "plain", False)
+    if name in ("dualpipe_v", "overlap_b_f") and threshold == 2:  # pairs anchor swap steps
+        pair_keys = {(q.stage_index, q.micro_index) for steps in compute.values() for st in steps
+                     if st is not None and st.meta_type is T.OVERLAP_B_F for q in st.parts}
+        assert pair_keys & {k for r in compute for k in swapped_keys(compute[r], threshold)}
 
 
 @pytest.mark.parametrize(("value", "error", "match"), [

@@ -25,7 +25,8 @@ is complete when the turn passes: results are the same, nothing overlaps in time
 The sync points are differentiable (``Platform.sync_point``): the backward crosses them in the
 reverse order and takes turns too, so the all-to-alls of the gradients are ordered the same way.
 A sync point outside a running session, in a thread that is not one of the two sides, or in a
-thread that re-runs a forward for activation recomputation (see `recomputing`) does nothing.
+thread that re-runs a forward for activation recomputation (see `recomputing`; the re-runs of
+``checkpoint_wrapper`` modules count too) does nothing.
 
 **Threads and communication.** The two sides run on helper threads of the calling rank
 (``Platform.run_helper_threads``): ``get_platform()`` there returns the rank's platform and the
@@ -48,6 +49,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.activations.state import is_recomputing as _activations_recomputing
 from hyper_parallel.platform.base import Platform, default_comm_timeout
 
 
@@ -95,8 +97,10 @@ def recomputing() -> Iterator[None]:
 
 
 def is_recomputing() -> bool:
-    """Whether the calling thread is inside `recomputing`."""
-    return bool(getattr(_thread, "recomputing", False))
+    """Whether the calling thread is inside `recomputing`, or re-runs the forward of a module
+    wrapped by ``checkpoint_wrapper`` (``hyper_parallel.core.activation_checkpoint``; its own
+    per-thread flag, which the sync points must honour too)."""
+    return bool(getattr(_thread, "recomputing", False)) or _activations_recomputing()
 
 
 Trace = Callable[[str, str, "HookRole | None"], None]

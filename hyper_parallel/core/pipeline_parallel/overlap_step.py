@@ -64,8 +64,38 @@ class OverlapPairHandler:
             raise
 
 
+def check_stages_run_op_by_op(schedule: PipelineSchedule) -> None:
+    """``comm_compute_overlap`` cannot work with compiled stages: the sync points of the wrapped
+    MoE layers (and any Python-level all-to-all) are Python calls, which a compiled stage graph
+    does not make at each step (measured on MindSpore: not one sync point fires under GRAPH_MODE,
+    so the pairs would silently not overlap). Raises ValueError when the platform compiles them."""
+    why = schedule.platform.compiled_stages()
+    if why is not None:
+        raise ValueError(
+            f"{type(schedule).__name__}: comm_compute_overlap needs stages that run op by op, but {why}. The "
+            "sync points of the MoE layers wrapped by wrap_dispatch/wrap_combine are Python calls that a "
+            "compiled stage graph does not make at each step, so the pairs would not overlap (and a "
+            "Python-level all-to-all cannot run inside a graph). Set HYPER_PARALLEL_MS_COMPILE=eager "
+            "(or MindSporePlatform(compile='eager')), or drop comm_compute_overlap: the OVERLAP_B_F pairs "
+            "then run their two halves one after the other, compiled"
+        )
+
+
+def _hook() -> Any:
+    from hyper_parallel.core.pipeline_parallel.schedule import RunHook
+
+    class CompiledStagesCheck(RunHook):
+        """The context may have changed since construction (say to GRAPH_MODE): check again."""
+
+        def before_run(self, schedule: PipelineSchedule, runtime: PipelineRuntime) -> None:
+            check_stages_run_op_by_op(schedule)
+
+    return CompiledStagesCheck()
+
+
 def enable_comm_compute_overlap(schedule: PipelineSchedule, overlap: Any) -> None:
     """Run the schedule's overlap steps through ``overlap`` (see the module docstring)."""
     handler = OverlapPairHandler(overlap)
-    schedule.add_feature(handlers={_T.OVERLAP_B_F: handler, _T.OVERLAP_F_B: handler})
+    check_stages_run_op_by_op(schedule)
+    schedule.add_feature(handlers={_T.OVERLAP_B_F: handler, _T.OVERLAP_F_B: handler}, hook=_hook())
     schedule.comm_compute_overlap = overlap

@@ -107,6 +107,15 @@ class PyNativeScope:
                 _set_mode(cls._saved)
 
 
+def user_mode() -> int:
+    """The user's context mode, also while a stage step runs in :class:`PyNativeScope` (on this or
+    another rank thread)."""
+    with PyNativeScope._lock:
+        if PyNativeScope._depth > 0 and PyNativeScope._saved is not None:
+            return PyNativeScope._saved
+        return ms.get_context("mode")
+
+
 # ---------------------------------------------------------------------------- compiled calls
 _CONSTRUCTS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
 _COMPILED: weakref.WeakKeyDictionary[Any, CompiledCell] = weakref.WeakKeyDictionary()

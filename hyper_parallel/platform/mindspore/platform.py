@@ -74,6 +74,15 @@ class MindSporePlatform(Platform):
         """``"auto"`` (compile stages in GRAPH_MODE), ``"jit"`` (always) or ``"eager"`` (never)."""
         return self._autograd.compile_mode
 
+    def compiled_stages(self) -> str | None:
+        from hyper_parallel.platform.mindspore.compiled import COMPILE_ENV, user_mode
+
+        mode = user_mode()
+        if not self._autograd.compiles(mode):
+            return None
+        return (f"the MindSpore platform compiles every stage with ms.jit ({COMPILE_ENV}={self.compile_mode}, "
+                f"context {'GRAPH_MODE' if mode == ms.GRAPH_MODE else 'PYNATIVE_MODE'})")
+
     def _default_communicator(self) -> Communicator:
         from hyper_parallel.platform.mindspore.comm import MindSporeCommunicator
 
