@@ -16,6 +16,7 @@ from activation_harness import ActJob, run_act_job
 from pp_harness import batch, small_config
 
 from hyper_parallel.platform import get_platform
+from gloo_exit import run_and_leave
 
 P = 4
 SWAP = {"swap": True, "swap_threshold": 2}
@@ -58,4 +59,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_and_leave(main, sys.argv[1])

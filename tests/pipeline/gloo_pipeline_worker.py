@@ -19,6 +19,7 @@ import torch
 from pp_harness import SCHEDULES, Job, batch, run_job, small_config
 
 from hyper_parallel.platform import get_platform
+from gloo_exit import run_and_leave
 
 P = 4
 MICRO = (1, P - 1, P, 2 * P + 1)
@@ -68,4 +69,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_and_leave(main, sys.argv[1])

@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from gloo_exit import run_and_leave
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(HERE, "..", "..", "examples", "moe_overlap.py")
@@ -74,4 +75,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_leave(main)

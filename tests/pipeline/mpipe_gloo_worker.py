@@ -15,6 +15,7 @@ import torch
 from mpipe_harness import Case, run_case
 
 from hyper_parallel.platform import get_platform
+from gloo_exit import run_and_leave
 
 P = 4
 CASES = [
@@ -47,4 +48,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_and_leave(main, sys.argv[1])

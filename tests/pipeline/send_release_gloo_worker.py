@@ -11,6 +11,7 @@ from mlp_harness import MatrixJob, batch, build_stages, mse
 from hyper_parallel import Schedule1F1B
 from hyper_parallel.core.pipeline_parallel.ir import MetaStepType
 from hyper_parallel.platform import get_platform
+from gloo_exit import run_and_leave
 
 MICRO = 6
 
@@ -37,4 +38,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_and_leave(main, sys.argv[1])

@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from gloo_exit import run_and_leave
 
 N_MICROBATCHES = 8
 SCHEDULES = {"ScheduleGPipe": 1, "Schedule1F1B": 1, "ScheduleInterleaved1F1B": 2, "ScheduleLoopedBFS": 2}
@@ -68,4 +69,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_and_leave(main, sys.argv[1])

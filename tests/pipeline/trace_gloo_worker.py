@@ -10,6 +10,7 @@ from mlp_harness import MatrixJob, batch, build_stages, mse
 from hyper_parallel import Schedule1F1B
 from hyper_parallel.core.pipeline_parallel.trace import chrome_trace
 from hyper_parallel.platform import get_platform
+from gloo_exit import run_and_leave
 
 
 def main(out_dir: str) -> None:
@@ -28,4 +29,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_and_leave(main, sys.argv[1])

@@ -19,6 +19,7 @@ from mlp_harness import MatrixJob, run_matrix_job
 
 from hyper_parallel import ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 from hyper_parallel.platform import get_platform
+from gloo_exit import run_and_leave
 
 P = 4
 CASES = {  # name -> job; m at the minimum, 2p and 2p+1 across the schedules, both transports
@@ -52,4 +53,4 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_and_leave(main, sys.argv[1])
