@@ -6,6 +6,8 @@ The oracle is always a non-pipelined computation with the framework's own public
 
 from __future__ import annotations
 
+import functools
+
 import importlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,6 +142,7 @@ def check_against_oracle(framework: str, losses: list[float], grads: dict[str, n
 
 
 # ---------------------------------------------------------------- wrappers for special cases
+@functools.cache  # one class per framework for the whole session, as a user's module would define it
 def _torch_wrappers():
     import torch
 
@@ -166,6 +169,7 @@ def _torch_wrappers():
     return MeanSquareLoss, OffsetFirst
 
 
+@functools.cache
 def _mindspore_wrappers():
     from mindspore import nn
 

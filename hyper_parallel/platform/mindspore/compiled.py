@@ -117,7 +117,11 @@ def user_mode() -> int:
 
 
 # ---------------------------------------------------------------------------- compiled calls
-_CONSTRUCTS: weakref.WeakKeyDictionary[type, Callable[..., Any]] = weakref.WeakKeyDictionary()
+# Held for the life of the process, not weakly: MindSpore caches what it compiled by the identity of
+# the function, and a class freed (with its construct) lets a new one take the same address and be
+# handed the old graph (seen as "the parameters number of the function is 1, but ... 4" when classes
+# were made on the fly). Classes are few; the Cells (and their parameters) stay weakly held below.
+_CONSTRUCTS: dict[type, Callable[..., Any]] = {}
 _COMPILED: weakref.WeakKeyDictionary[Any, CompiledCell] = weakref.WeakKeyDictionary()
 _COMPILED_LOCK = threading.Lock()
 
