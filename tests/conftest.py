@@ -52,3 +52,35 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 240) -> N
             raise AssertionError(
                 f"torchrun job {script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
             )
+
+
+def run_msrun(script: str, world: int, *args: str, cwd: str | os.PathLike[str], timeout: float = 180) -> None:
+    """Run ``script`` on ``world`` MindSpore workers with MindSpore's launcher (``msrun``) on a free
+    port, in ``cwd`` (its logs go to ``cwd/msrun_logs``); skip when msrun is not installed, fail
+    with the worker logs when the job fails or hangs."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    local = Path(sys.executable).with_name("msrun")
+    msrun = str(local) if local.exists() else shutil.which("msrun")
+    if msrun is None:
+        pytest.skip("msrun is not installed")
+    log_dir = Path(cwd) / "msrun_logs"
+    env = dict(os.environ, HYPER_PARALLEL_PLATFORM="mindspore")
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # msrun runs `python`
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH", "")) if p)
+    cmd = [msrun, f"--worker_num={world}", f"--local_worker_num={world}", f"--master_port={free_port()}",
+           f"--log_dir={log_dir}", "--join=True", script, *args]
+
+    def logs() -> str:
+        parts = [f"--- {p.name} ---\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(log_dir.glob("*.log"))]
+        return "\n".join(parts) or "(no worker logs)"
+
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"msrun job {script} timed out after {timeout} s\n{exc.stdout}\n{exc.stderr}\n{logs()}")
+    if proc.returncode != 0:
+        pytest.fail(f"msrun job {script} failed (rc={proc.returncode})\n{proc.stdout[-2000:]}\n"
+                    f"{proc.stderr[-2000:]}\n{logs()}")

@@ -3,40 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import run_msrun
 
 pytest.importorskip("mindspore")
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 WORKER = HERE / "msrun_worker.py"
 WORLD = 2
 JOB_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _msrun() -> str | None:
-    local = Path(sys.executable).with_name("msrun")
-    return str(local) if local.exists() else shutil.which("msrun")
-
-
-def _logs(log_dir: Path) -> str:
-    parts = [f"--- {p.name} ---\n{p.read_text(errors='replace')[-6000:]}" for p in sorted(log_dir.glob("*.log"))]
-    return "\n".join(parts) or "(no worker logs)"
 
 
 def _rank_input(rank: int) -> np.ndarray:
@@ -45,27 +24,12 @@ def _rank_input(rank: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    msrun = _msrun()
-    if msrun is None:
-        pytest.skip("msrun is not installed")
     root = tmp_path_factory.mktemp("msrun")
-    out_dir, log_dir, cwd = root / "out", root / "logs", root / "cwd"
-    for d in (out_dir, cwd):
-        d.mkdir()
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # msrun runs `python`
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env["HYPER_PARALLEL_PLATFORM"] = "mindspore"
-    cmd = [msrun, f"--worker_num={WORLD}", f"--local_worker_num={WORLD}", f"--master_port={_free_port()}",
-           f"--log_dir={log_dir}", "--join=True", str(WORKER), str(out_dir)]
-    try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"msrun job timed out after {JOB_TIMEOUT_S} s\n{_logs(log_dir)}\n{exc.stdout}\n{exc.stderr}")
+    out_dir = root / "out"
+    out_dir.mkdir()
+    run_msrun(str(WORKER), WORLD, str(out_dir), cwd=root, timeout=JOB_TIMEOUT_S)
     files = [out_dir / f"rank_{r}.json" for r in range(WORLD)]
-    if proc.returncode != 0 or not all(f.exists() for f in files):
-        pytest.fail(f"msrun job failed (rc={proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n"
-                    f"{_logs(log_dir)}")
+    assert all(f.exists() for f in files), list(out_dir.iterdir())
     return [json.loads(f.read_text()) for f in files]
 
 
