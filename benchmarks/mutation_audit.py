@@ -55,9 +55,10 @@ PP = "hyper_parallel/core/pipeline_parallel"
 PT = "hyper_parallel/platform/torch"
 
 # Tests per module: fast, in-process (torch LocalCluster), most likely killers first.
-_UNIT = ["tests/pipeline_unit/test_pp_lowering.py", "tests/pipeline_unit/test_pp_validate.py",
+_UNIT = ["tests/pipeline_unit/test_pp_lowering_kills.py", "tests/pipeline_unit/test_pp_lowering.py", "tests/pipeline_unit/test_pp_validate.py",
          "tests/pipeline_unit/test_pp_zero_bubble_classes.py", "tests/pipeline_unit/test_pp_swap_pass.py"]
-_CORE = ["tests/pipeline/test_pp_review_regressions.py", "tests/pipeline/test_pp_run_contract.py"]
+_CORE = ["tests/pipeline/test_pp_review_regressions.py", "tests/pipeline/test_pp_run_contract.py",
+         "tests/pipeline/test_pp_runtime_kills.py"]
 _MATRIX = ["tests/pipeline/test_pp_matrix_local.py::test_tied_weights_under_every_schedule",
            "tests/pipeline/test_pp_matrix_local.py::test_shapes_that_change_per_micro_batch",
            "tests/pipeline/test_pp_matrix_local.py::test_batch_metadata_order_regression"]
