@@ -65,12 +65,12 @@ _MATRIX = ["tests/pipeline/test_pp_matrix_local.py::test_tied_weights_under_ever
 _TIED = "tests/pipeline/test_pp_tied_one_rank_two_holders.py"
 _NESTED = "tests/pipeline/test_pp_nested_inputs.py"
 _ZB = "tests/pipeline/test_pp_zero_bubble_local.py"
-_SPLIT = ["tests/platform/test_backward_split.py", "tests/pipeline/test_pp_split_backward.py", _ZB]
+_SPLIT = ["tests/platform/test_torch_autograd_kills.py", "tests/platform/test_backward_split.py", "tests/pipeline/test_pp_split_backward.py", _ZB]
 TESTS: dict[str, list[str]] = {
     f"{PP}/runtime.py": [*_CORE, *_MATRIX, _TIED, "tests/pipeline/test_pp_edge_cases.py",
                          "tests/pipeline/test_pp_errors.py", _NESTED, _ZB],
     f"{PP}/lowering.py": [*_UNIT, *_CORE, *_MATRIX[1:]],
-    f"{PP}/microbatch.py": ["tests/pipeline_unit/test_pp_microbatch.py", _NESTED, *_CORE],
+    f"{PP}/microbatch.py": ["tests/pipeline_unit/test_pp_microbatch_kills.py", "tests/pipeline_unit/test_pp_microbatch.py", _NESTED, *_CORE],
     f"{PP}/shared_params.py": [_TIED, _MATRIX[0], _CORE[0], "tests/pipeline/test_pp_edge_cases.py",
                                f"{_ZB}::test_tied_first_and_last_weights"],
     f"{PT}/autograd.py": [*_SPLIT, *_CORE],
@@ -515,6 +515,12 @@ def write_report(result: dict[str, Any], stem: str, before: dict[str, Any] | Non
     if before is not None:
         result["before"] = {"modules": before["modules"], "totals": before["totals"],
                             "survivors": [m["key"] for m in before["mutants"] if m["status"] == "survived"]}
+    notes = {}
+    if os.path.exists(NOTES):
+        with open(NOTES, encoding="utf-8") as f:
+            notes = json.load(f)
+    for m in result["mutants"]:
+        m["note"] = notes.get(m["key"], {}) if m["status"] == "survived" else {}
     with open(os.path.join(results_dir, f"{stem}.json"), "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
     t = result["totals"]
@@ -565,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerun-survivors", metavar="JSON",
                     help="rerun only the survivors of an earlier audit (same seed and count) and report the "
                          "whole sample, with the earlier survived counts as 'before'")
+    ap.add_argument("--report", metavar="JSON", help="only write the report of an earlier result (notes re-read)")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run at once")
     ap.add_argument("--list-sites", action="store_true")
     ap.add_argument("--out", default="mutation_audit", help="stem of the result files under benchmarks/results")
@@ -578,6 +585,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_sites:
         for m in modules:
             print(f"{m}: {len(find_sites(m))} sites")
+        return 0
+    if args.report:
+        with open(args.report, encoding="utf-8") as f:
+            result = json.load(f)
+        before = None
+        if args.before:
+            with open(args.before, encoding="utf-8") as f:
+                before = json.load(f)
+        write_report(result, args.out, before, args.results_dir)
         return 0
     before = None
     if args.before or args.rerun_survivors:
