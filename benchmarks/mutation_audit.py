@@ -481,6 +481,8 @@ def audit(modules: list[str], seed: int, count: int, timeout: float, only: list[
     if os.path.exists(NOTES):
         with open(NOTES, encoding="utf-8") as f:
             notes = json.load(f)
+    started = time.monotonic()
+
     def report(i: int, status: str, secs: float, detail: str) -> None:
         if progress:
             site = picked[i]
@@ -503,7 +505,8 @@ def audit(modules: list[str], seed: int, count: int, timeout: float, only: list[
                          "killed_by_hang": sum(o.status == "killed-by-hang" for o in mine),
                          "survived": sum(o.status == "survived" for o in mine),
                          "errors": sum(o.status == "error" for o in mine)}
-    return {"seed": seed, "requested": count, "timeout_s": timeout, "pytest_args": PYTEST_ARGS, "tests": TESTS,
+    return {"seed": seed, "requested": count, "timeout_s": timeout, "jobs": parallel,
+            "mutants_wall_s": round(time.monotonic() - started, 1), "pytest_args": PYTEST_ARGS, "tests": TESTS,
             "baseline": baseline, "modules": per_module,
             "totals": {k: sum(v[k] for v in per_module.values()) for k in next(iter(per_module.values()))},
             "mutants": [asdict(o) for o in outcomes]}
@@ -547,7 +550,10 @@ def write_report(result: dict[str, Any], stem: str, before: dict[str, Any] | Non
         lines.append(f"| `{m['path']}:{m['line']}` ({m['op']}) | `{desc}` | {note.get('verdict', 'open')} | "
                      f"{note.get('reason', '').replace('|', '/')} |")
     if before:
-        killed_since = [k for k in before["survivors"] if k not in {m["key"] for m in survivors}]
+        lines += ["", "'survived before' is the first audit (`mutation_audit_before.md`, same seed and sample, the tests as "
+                  "they were then); this report reruns its survivors with the strengthened tests. Tests were only "
+                  "added in between, so a mutant killed then is still killed."]
+        killed_since = [k for k in result["before"]["survivors"] if k not in {m["key"] for m in survivors}]
         lines += ["", f"## Killed since the first audit ({len(killed_since)})", ""]
         lines += [f"- `{k}`" for k in killed_since]
     lines += ["", "## Tests run per module", ""]

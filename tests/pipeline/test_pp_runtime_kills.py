@@ -109,3 +109,32 @@ def test_peer_rank_refuses_steps_without_a_peer():
         peer_rank(MetaStep(0, MetaStepType.FWD, 0), placement)
     with pytest.raises(ValueError, match="has no peer: stage 2 does not exist"):
         peer_rank(MetaStep(0, MetaStepType.FWD_SEND, 1), placement)
+
+
+def test_a_last_stage_without_loss_fn_must_return_its_loss_alone():
+    # Without a loss_fn the last stage's output is the loss: a (loss, extra) tuple is refused,
+    # not taken apart; eval() of the same stage returns its outputs as they are.
+    from hyper_parallel.core.pipeline_parallel.runtime import StageError
+    from hyper_parallel.core.pipeline_parallel.schedule import ScheduleGPipe
+    from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+
+    class LossAndExtra(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            out = self.lin(x)
+            return (out ** 2).mean(), out
+
+    def body():
+        torch.manual_seed(0)
+        sched = ScheduleGPipe(PipelineStage(LossAndExtra(), 0, 1), 2)
+        x = torch.randn(4, 3)
+        merged = sched.eval(x)
+        with pytest.raises((ValueError, StageError), match="loss of micro-batch 0 must be a scalar tensor"):
+            sched.run(x)
+        return merged
+
+    merged = LocalCluster(1).run(body)[0]
+    assert isinstance(merged, tuple) and len(merged) == 2 and tuple(merged[1].shape) == (4, 1)
