@@ -26,3 +26,24 @@ def test_merge_names_the_first_micro_batch_whose_structure_differs():
     with pytest.raises(ValueError, match=re.escape("micro-batch 1 gives a tuple of 1 where micro-batch 0 gives a "
                                                    "tuple of 2")):
         merge_outputs(P, [(t, t), (t,), [t]], 0)
+
+
+def test_a_dtensor_input_is_split_along_its_spec_and_keeps_its_layout():
+    from hyper_parallel.core.device_mesh import init_device_mesh
+    from hyper_parallel.core.dtensor import DTensor
+    from hyper_parallel.core.placement_types import Replicate
+    from hyper_parallel.platform import get_platform
+    from hyper_parallel.platform.local import LocalCluster
+
+    def body():
+        p = get_platform()
+        mesh = init_device_mesh("cpu", (1,))
+        x = torch.arange(24.0).reshape(4, 6)
+        dt = DTensor.from_local(x, mesh, [Replicate()])
+        split = split_inputs(p, (dt, dt), {}, 2, (BatchDimSpec(1), BatchDimSpec(None)), None)
+        return [(a[0].to_local().clone(), a[0].layout == dt.layout, a[1] is dt) for a, _ in split]
+
+    pieces = LocalCluster(1).run(body)[0]
+    x = torch.arange(24.0).reshape(4, 6)
+    for i, (local, same_layout, whole) in enumerate(pieces):
+        assert torch.equal(local, x[:, 3 * i:3 * i + 3]) and same_layout and whole

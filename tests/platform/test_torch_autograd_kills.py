@@ -36,3 +36,14 @@ def test_walking_a_graph_again_after_its_split_backward_names_the_cause():
     ag.stage_backward_weight(record)
     with pytest.raises(RuntimeError, match="already ran and freed what the forward saved"):
         torch.autograd.backward(record.outputs[0], grad)
+
+
+def test_a_full_backward_frees_the_graph():
+    # The forward's saved activations are released by the backward (keep_graph off): walking
+    # the graph again fails instead of silently finding every activation still held.
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh(), torch.nn.Linear(3, 3))
+    record = _record(block, torch.randn(2, 3))
+    ag.stage_backward(record, [torch.ones(2, 3)])
+    with pytest.raises(RuntimeError, match="second time|already been freed"):
+        torch.autograd.backward(record.outputs[0], torch.ones(2, 3))
