@@ -2,7 +2,7 @@
 
 Each test states a property of ``runtime.py`` / ``lowering.py`` that no other test looked at:
 every send is completed before a run returns, a peer that dies is named, a step without a peer
-is refused with its name.
+is refused with its name, a last stage without ``loss_fn`` returns its loss alone.
 """
 
 from __future__ import annotations
@@ -101,6 +101,19 @@ def test_a_peer_that_dies_is_named():
         PipelineRuntime._wait(runtime, Broken(), None, None)
 
 
+def test_a_wait_that_times_out_is_not_taken_for_done():
+    # A receive whose wait times out must fail naming the step and the peer; swallowing the
+    # timeout would hand the stage an unfilled buffer.
+    class Late:
+        def wait(self, timeout=None):
+            raise TimeoutError("no message within 300 s")
+
+    runtime = SimpleNamespace(rank=2)
+    step = MetaStep(1, MetaStepType.FWD_RECV, 2)
+    with pytest.raises(TimeoutError, match=r"rank 2: step .* waiting on rank 1 failed: no message within 300 s"):
+        PipelineRuntime._wait(runtime, Late(), step, 1)
+
+
 def test_peer_rank_refuses_steps_without_a_peer():
     placement = {0: 0, 1: 1}
     assert peer_rank(MetaStep(0, MetaStepType.FWD_SEND, 0), placement) == 1
@@ -111,6 +124,7 @@ def test_peer_rank_refuses_steps_without_a_peer():
         peer_rank(MetaStep(0, MetaStepType.FWD_SEND, 1), placement)
 
 
+@pytest.mark.timeout(60)
 def test_a_last_stage_without_loss_fn_must_return_its_loss_alone():
     # Without a loss_fn the last stage's output is the loss: a (loss, extra) tuple is refused,
     # not taken apart; eval() of the same stage returns its outputs as they are.

@@ -51,6 +51,7 @@ def _builtin(p: int, m: int):
     from hyper_parallel.core.pipeline_parallel.placement import looped_placement, v_placement
     from hyper_parallel.core.pipeline_parallel.schedules import (
         generate_1f1b,
+        generate_dualpipe_v,
         generate_gpipe,
         generate_interleaved_1f1b,
         generate_interleaved_zero_bubble,
@@ -64,10 +65,13 @@ def _builtin(p: int, m: int):
     yield "looped_bfs", generate_looped_bfs(p, 2, m), looped_placement(p, 2)
     yield "interleaved_zb", generate_interleaved_zero_bubble(p, 2, m), looped_placement(p, 2)
     yield "zbv", generate_zbv_zero_bubble(p, m), v_placement(p)
+    if m >= 2 * p:
+        yield "dualpipe_v", generate_dualpipe_v(p, m), v_placement(p)
 
 
 @pytest.mark.parametrize("p", [2, 3])
-@pytest.mark.parametrize("metadata, prefetch", [("none", False), ("none", True), ("all", False), ("first", True)])
+@pytest.mark.parametrize("metadata, prefetch", [("none", False), ("none", True), ("all", False), ("all", True),
+                                               ("first", False), ("first", True)])
 def test_batch_lowering_never_deadlocks_on_a_stream_engine(p, metadata, prefetch):
     # On NCCL/HCCL a rank's batched groups run in order on one stream and a send completes only
     # when its receive is posted; the CPU tests run on the eager model, so the stream model is

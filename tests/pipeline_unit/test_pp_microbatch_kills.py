@@ -28,6 +28,7 @@ def test_merge_names_the_first_micro_batch_whose_structure_differs():
         merge_outputs(P, [(t, t), (t,), [t]], 0)
 
 
+@pytest.mark.timeout(60)
 def test_a_dtensor_input_is_split_along_its_spec_and_keeps_its_layout():
     from hyper_parallel.core.device_mesh import init_device_mesh
     from hyper_parallel.core.dtensor import DTensor
@@ -41,6 +42,9 @@ def test_a_dtensor_input_is_split_along_its_spec_and_keeps_its_layout():
         x = torch.arange(24.0).reshape(4, 6)
         dt = DTensor.from_local(x, mesh, [Replicate()])
         split = split_inputs(p, (dt, dt), {}, 2, (BatchDimSpec(1), BatchDimSpec(None)), None)
+        with pytest.raises(ValueError, match=re.escape("micro-batch 1 gives a tensor where micro-batch 0 gives a "
+                                                       "DTensor laid out as")):
+            merge_outputs(p, [dt, x], 0)
         return [(a[0].to_local().clone(), a[0].layout == dt.layout, a[1] is dt) for a, _ in split]
 
     pieces = LocalCluster(1).run(body)[0]
