@@ -616,8 +616,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.before or args.rerun_survivors, encoding="utf-8") as f:
             before = json.load(f)
     only = args.only
-    if args.rerun_survivors:
-        only = [m["key"] for m in before["mutants"] if m["status"] == "survived"]
+    if args.rerun_survivors:  # with --only: those mutants too (e.g. a hang to judge with a longer limit)
+        only = [m["key"] for m in before["mutants"] if m["status"] == "survived"] + list(args.only or [])
     result = audit(modules, args.seed, args.count, args.timeout, only, args.logdir, parallel=args.jobs)
     if args.rerun_survivors:
         result = _merge(before, result)
