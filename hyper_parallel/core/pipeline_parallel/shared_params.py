@@ -3,7 +3,7 @@
 Every rank of the pipeline knows which stage holds which tie name (exchanged when the
 schedule is built). The stage with the lowest index owns a tie: it sends its value to the
 other holders, and after a run it gathers their gradients, sums them in stage order and
-sends the sum back, so every copy has the same value and the same gradient.
+sends the sum back (once per rank), so every copy has the same value and the same gradient.
 """
 
 from __future__ import annotations
@@ -106,10 +106,12 @@ def sum_gradients(p: Platform, stages: dict[int, PipelineStage], holders: Holder
             total = parts[0]
             for part in parts[1:]:
                 total = total + part
+            sent: set[int] = set()
             for stage_index, rank in owners:
                 if rank == me:
                     p.set_grad(_local(stages, name, stage_index), p.clone(total))
-                else:
+                elif rank not in sent:  # once per rank: that rank gives it to all its holders
+                    sent.add(rank)
                     p.isend(total, rank).wait()
         else:
             mine = [s for s, r in owners if r == me]
@@ -118,6 +120,7 @@ def sum_gradients(p: Platform, stages: dict[int, PipelineStage], holders: Holder
             # Several holders on one non-owner rank send one message each so the owner sums in stage order.
             for stage_index in mine:
                 p.isend(_grad_or_zeros(p, _local(stages, name, stage_index)), owner_rank).wait()
+            # The owner sends the sum once to this rank, whatever the number of holders here.
             total = p.empty_like(p.param_data(_local(stages, name, mine[0])))
             p.irecv(total, owner_rank).wait()
             for stage_index in mine:
