@@ -504,7 +504,9 @@ class PipelineRuntime:
         that micro-batch's output gradient has arrived: the peer used the output to compute it, so the
         wait returns at once (some engines report a send completed only once it is waited for, which
         would otherwise keep every sent output until the end of the run)."""
-        for pending in self.forward_sends.pop((s, i), ()):
+        pendings = self.forward_sends.pop((s, i), ())
+        for pending in pendings:  # every send first: one tensor may be sent twice (an output repeated)
             self._wait(pending.handle, None, None)
+        for pending in pendings:
             for t in pending.release:
                 self.p.release_storage(t)
