@@ -86,3 +86,20 @@ def test_output_sent_twice_is_freed_only_after_every_send_of_it_completed(transp
     for name, q in [*(("0." + n, q) for n, q in first.named_parameters()),
                     *(("1." + n, q) for n, q in last.named_parameters())]:
         torch.testing.assert_close(got[name], q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_switches_take_numpy_bools_and_name_the_refused_type():
+    # check_flag refused numpy.bool_ (a bool read from a config array), with "got True" as the reason.
+    np = pytest.importorskip("numpy")
+    from hyper_parallel.core.pipeline_parallel.placement import check_flag
+
+    assert check_flag("overlap_p2p", np.bool_(True)) is True
+    assert check_flag("overlap_p2p", np.bool_(False)) is False
+    with pytest.raises(TypeError, match=r"overlap_p2p must be a bool, got 1 \(int\)"):
+        check_flag("overlap_p2p", 1)
+
+    def body() -> tuple[object, object]:
+        stage = PipelineStage(_Last(), 0, 1, dyn_shape=np.bool_(True), free_sent_outputs=np.bool_(False))
+        return stage.dyn_shape, stage.free_sent_outputs
+
+    assert LocalCluster(1, timeout=60).run(body) == [(True, False)]

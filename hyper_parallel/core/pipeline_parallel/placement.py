@@ -18,9 +18,12 @@ def check_int(name: str, value: object) -> int:
 def check_flag(name: str, value: object) -> bool:
     """Return ``value`` if it is a bool, else raise TypeError naming it (``"False"`` or ``0.0`` are
     truthy or falsy by accident, never a switch)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return value
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):  # numpy.bool_, e.g. from a config array
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r} ({kind.__name__})")
 
 
 def check_count(name: str, value: object, minimum: int) -> int:
