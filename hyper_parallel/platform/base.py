@@ -61,7 +61,13 @@ class WaitAborted(RuntimeError):
 
 
 class Handle(ABC):
-    """A pending communication. ``wait()`` blocks until it is done (or times out)."""
+    """A pending communication. ``wait()`` blocks until it is done (or times out).
+
+    ``coalesced`` is True when the engine gave one request for a whole batch of operations
+    (NCCL-style coalescing): waiting for it waits for every operation of the batch, receives
+    included."""
+
+    coalesced = False
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> None: ...

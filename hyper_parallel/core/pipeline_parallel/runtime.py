@@ -179,7 +179,7 @@ class PipelineRuntime:
             self._wait(pending.handle, None, None)
         self.sends.clear()
         for key in list(self.forward_sends):  # forward-only runs, and the outputs of the last micro-batches
-            self.settle_forward_sends(*key)
+            self.settle_forward_sends(*key, force=True)
         if self.recvs:
             raise RuntimeError(f"rank {self.rank}: receives never consumed: {[str(r.step) for r in self.recvs.values()]}")
 
@@ -499,12 +499,17 @@ class PipelineRuntime:
         while self.sends and self.sends[0].handle.is_completed():
             self.sends.popleft()
 
-    def settle_forward_sends(self, s: int, i: int) -> None:
+    def settle_forward_sends(self, s: int, i: int, force: bool = False) -> None:
         """Wait for the sends of stage s's output of micro-batch i and free what they sent. Called when
         that micro-batch's output gradient has arrived: the peer used the output to compute it, so the
         wait returns at once (some engines report a send completed only once it is waited for, which
         would otherwise keep every sent output until the end of the run)."""
         pendings = self.forward_sends.pop((s, i), ())
+        if not force and any(p.handle.coalesced and not p.handle.is_completed() for p in pendings):
+            # one request for a whole batch also covers its receives, which may be posted early for data
+            # the peer sends only later: leave these sends to complete on their own (or to the run's end)
+            self.forward_sends[(s, i)] = list(pendings)
+            return
         for pending in pendings:  # every send first: one tensor may be sent twice (an output repeated)
             self._wait(pending.handle, None, None)
         for pending in pendings:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,26 @@ _REDUCE = {
 
 def backend_for_device(device_type: str) -> str:
     return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device_type]
+
+
+class _SharedWork:
+    """One request standing for several operations (a coalesced batch): waited once, however many
+    handles share it (a second wait on a finished gloo request does not return)."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+        self._waited = False
+        self._lock = threading.Lock()
+
+    def wait(self, *timeout: Any) -> bool:
+        with self._lock:
+            if not self._waited:
+                self._work.wait(*timeout)
+                self._waited = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._waited or bool(self._work.is_completed())
 
 
 class TorchHandle(Handle):
@@ -172,12 +193,20 @@ class TorchCommunicator(Communicator):
             dist.P2POp(dist.isend if op.op == "isend" else dist.irecv, t, op.peer, self._pg(op.group), op.tag)
             for op, t in zip(ops, tensors, strict=True)
         ]
-        works = dist.batch_isend_irecv(native)
-        return [
-            TorchHandle(w, f"batched {op.op} between rank {self.rank} and rank {op.peer}", keep=t,
-                        stream_wait=not self._gloo_like)
-            for w, op, t in zip(works, ops, tensors, strict=True)
-        ]
+        works = list(dist.batch_isend_irecv(native))
+        coalesced = len(works) == 1 and len(ops) > 1  # NCCL-style: one request for the whole batch
+        if coalesced:
+            works = [_SharedWork(works[0])] * len(ops)
+        elif len(works) != len(ops):
+            raise RuntimeError(f"rank {self.rank}: batch_isend_irecv gave {len(works)} requests for {len(ops)} "
+                               "operations")
+        handles = []
+        for w, op, t in zip(works, ops, tensors, strict=True):
+            handle = TorchHandle(w, f"batched {op.op} between rank {self.rank} and rank {op.peer}", keep=t,
+                                 stream_wait=not self._gloo_like)
+            handle.coalesced = coalesced
+            handles.append(handle)
+        return handles
 
     # collectives --------------------------------------------------------------------
     def all_reduce(self, tensor: Any, op: str = "sum", group: Group | None = None) -> Any:
