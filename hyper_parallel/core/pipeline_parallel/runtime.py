@@ -505,7 +505,7 @@ class PipelineRuntime:
         wait returns at once (some engines report a send completed only once it is waited for, which
         would otherwise keep every sent output until the end of the run)."""
         pendings = self.forward_sends.pop((s, i), ())
-        if not force and any(p.handle.coalesced and not p.handle.is_completed() for p in pendings):
+        if not force and any(getattr(p.handle, "coalesced", False) and not p.handle.is_completed() for p in pendings):
             # one request for a whole batch also covers its receives, which may be posted early for data
             # the peer sends only later: leave these sends to complete on their own (or to the run's end)
             self.forward_sends[(s, i)] = list(pendings)
