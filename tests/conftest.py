@@ -6,6 +6,8 @@ import os
 import socket
 import sys
 
+from typing import Any
+
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +54,14 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 240) -> N
             raise AssertionError(
                 f"torchrun job {script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
             )
+
+
+def load_rank_results(out_dir: str | os.PathLike[str], nproc: int) -> list[Any]:
+    """What each of ``nproc`` worker ranks pickled to ``out_dir/rank<r>.pkl``, in rank order."""
+    import pickle
+    from pathlib import Path
+
+    return [pickle.loads((Path(out_dir) / f"rank{r}.pkl").read_bytes()) for r in range(nproc)]
 
 
 def run_msrun(script: str, world: int, *args: str, cwd: str | os.PathLike[str], timeout: float = 180) -> None:

@@ -6,8 +6,6 @@ Usage (under torchrun, HYPER_PARALLEL_PLATFORM=torch): gloo_activation_worker.py
 
 from __future__ import annotations
 
-import os
-import pickle
 import sys
 import traceback
 
@@ -16,7 +14,7 @@ from activation_harness import ActJob, run_act_job
 from pp_harness import batch, small_config
 
 from hyper_parallel.platform import get_platform
-from gloo_exit import run_and_leave
+from gloo_exit import run_and_leave, write_rank_result
 
 P = 4
 SWAP = {"swap": True, "swap_threshold": 2}
@@ -52,10 +50,7 @@ def main(out_dir: str) -> None:
             print(f"rank {p.rank}: case {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise
     p.barrier()
-    path = os.path.join(out_dir, f"rank{p.rank}.pkl")
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump({"rank": p.rank, "results": results}, f)
-    os.replace(path + ".tmp", path)
+    write_rank_result(out_dir, p.rank, {"rank": p.rank, "results": results})
 
 
 if __name__ == "__main__":

@@ -24,3 +24,14 @@ def run_and_leave(main: Callable[..., Any], *args: Any) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def write_rank_result(out_dir: str, rank: int, payload: Any) -> None:
+    """Pickle this rank's results to ``out_dir/rank<r>.pkl`` (written whole or not at all), where
+    the test reads them with ``conftest.load_rank_results``."""
+    import pickle
+
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(payload, f)
+    os.replace(path + ".tmp", path)

@@ -9,8 +9,6 @@ Usage (under torchrun, HYPER_PARALLEL_PLATFORM=torch): gloo_pipeline_worker.py O
 
 from __future__ import annotations
 
-import os
-import pickle
 import sys
 import time
 import traceback
@@ -19,7 +17,7 @@ import torch
 from pp_harness import SCHEDULES, Job, batch, run_job, small_config
 
 from hyper_parallel.platform import get_platform
-from gloo_exit import run_and_leave
+from gloo_exit import run_and_leave, write_rank_result
 
 P = 4
 MICRO = (1, P - 1, P, 2 * P + 1)
@@ -62,10 +60,7 @@ def main(out_dir: str) -> None:
         timings[(schedule, micro, variant)] = time.perf_counter() - start
         results[(schedule, micro, variant)] = {"losses": out["losses"], "grads": out["grads"]}
     p.barrier()
-    path = os.path.join(out_dir, f"rank{p.rank}.pkl")
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump({"rank": p.rank, "world": p.world_size, "results": results, "timings": timings}, f)
-    os.replace(path + ".tmp", path)
+    write_rank_result(out_dir, p.rank, {"rank": p.rank, "world": p.world_size, "results": results, "timings": timings})
 
 
 if __name__ == "__main__":

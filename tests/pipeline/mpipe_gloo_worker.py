@@ -6,8 +6,6 @@ Usage (under torchrun, HYPER_PARALLEL_PLATFORM=torch): mpipe_gloo_worker.py OUT_
 
 from __future__ import annotations
 
-import os
-import pickle
 import sys
 import traceback
 
@@ -15,7 +13,7 @@ import torch
 from mpipe_harness import Case, run_case
 
 from hyper_parallel.platform import get_platform
-from gloo_exit import run_and_leave
+from gloo_exit import run_and_leave, write_rank_result
 
 P = 4
 CASES = [
@@ -41,10 +39,7 @@ def main(out_dir: str) -> None:
             print(f"rank {p.rank}: case {case.name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise
     p.barrier()
-    path = os.path.join(out_dir, f"rank{p.rank}.pkl")
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump({"rank": p.rank, "results": results}, f)
-    os.replace(path + ".tmp", path)
+    write_rank_result(out_dir, p.rank, {"rank": p.rank, "results": results})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,6 @@
 """1F1B on gloo ranks (plain transport): after every forward send, count this rank's sent outputs that
 still hold their storage; write the peak count, the losses and the gradients for the test."""
 
-import os
-import pickle
 import sys
 
 import torch
@@ -11,7 +9,7 @@ from mlp_harness import MatrixJob, batch, build_stages, mse
 from hyper_parallel import Schedule1F1B
 from hyper_parallel.core.pipeline_parallel.ir import MetaStepType
 from hyper_parallel.platform import get_platform
-from gloo_exit import run_and_leave
+from gloo_exit import run_and_leave, write_rank_result
 
 MICRO = 6
 
@@ -33,8 +31,7 @@ def main(out_dir: str) -> None:
     x, y = (torch.from_numpy(a) for a in batch(job.size(), job.micro, False))
     losses = schedule.run(x, target=y if stages[0].is_last else None)
     grads = {f"{st.stage_index}.{n}": g.numpy().copy() for st in stages for n, g in st.named_gradients().items()}
-    with open(os.path.join(out_dir, f"rank{p.rank}.pkl"), "wb") as f:
-        pickle.dump({"held": held, "losses": [float(v) for v in losses], "grads": grads}, f)
+    write_rank_result(out_dir, p.rank, {"held": held, "losses": [float(v) for v in losses], "grads": grads})
 
 
 if __name__ == "__main__":

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, run_torchrun
+from conftest import REPO_ROOT, load_rank_results, run_torchrun
 from mpipe_gloo_worker import CASES, P
 from mpipe_harness import check
 
@@ -22,10 +21,7 @@ pytestmark = pytest.mark.timeout(600)
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("mpipe_gloo")
     run_torchrun(os.path.join(HERE, "mpipe_gloo_worker.py"), P, str(out), timeout=500)
-    loaded = []
-    for r in range(P):
-        with open(out / f"rank{r}.pkl", "rb") as f:
-            loaded.append(pickle.load(f))
+    loaded = load_rank_results(out, P)
     assert [d["rank"] for d in loaded] == list(range(P))
     return loaded
 

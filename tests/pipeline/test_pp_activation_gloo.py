@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import pickle
 from typing import Any
 
 import pytest
-from conftest import run_torchrun
+from conftest import load_rank_results, run_torchrun
 from gloo_activation_worker import CASES, P, job_for
 from pp_harness import check_against_oracle, full_model_oracle, merged
 
@@ -19,10 +18,7 @@ pytestmark = pytest.mark.timeout(400)
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("gloo_activation")
     run_torchrun(os.path.join(HERE, "gloo_activation_worker.py"), P, str(out), timeout=300)
-    loaded = []
-    for r in range(P):
-        with open(out / f"rank{r}.pkl", "rb") as f:
-            loaded.append(pickle.load(f))
+    loaded = load_rank_results(out, P)
     assert [d["rank"] for d in loaded] == list(range(P))
     return loaded
 

@@ -9,12 +9,11 @@ losses come back only on the rank holding the last stage.
 from __future__ import annotations
 
 import os
-import pickle
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import run_torchrun
+from conftest import load_rank_results, run_torchrun
 from gloo_pipeline_worker import MICRO, P, VARIANTS, config_for
 from pp_harness import SCHEDULES, TOL, batch, check_against_oracle, full_model_oracle, merged
 
@@ -29,10 +28,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What each of the P ranks pickled: {"rank", "world", "results": {(schedule, m, variant): ...}}."""
     out = tmp_path_factory.mktemp("gloo_pp")
     run_torchrun(os.path.join(HERE, "gloo_pipeline_worker.py"), P, str(out), timeout=540)
-    loaded = []
-    for r in range(P):
-        with open(out / f"rank{r}.pkl", "rb") as f:
-            loaded.append(pickle.load(f))
+    loaded = load_rank_results(out, P)
     assert [(d["rank"], d["world"]) for d in loaded] == [(r, P) for r in range(P)]
     return loaded
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 
 import numpy as np
 import pytest
-from conftest import REPO_ROOT, run_torchrun
+from conftest import REPO_ROOT, load_rank_results, run_torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORLD = 4
@@ -21,10 +20,7 @@ pytestmark = pytest.mark.timeout(600)
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("moe_gloo")
     run_torchrun(os.path.join(HERE, "moe_gloo_worker.py"), WORLD, str(out), "4", timeout=400)
-    loaded = []
-    for r in range(WORLD):
-        with open(out / f"rank{r}.pkl", "rb") as f:
-            loaded.append(pickle.load(f))
+    loaded = load_rank_results(out, WORLD)
     assert [d["rank"] for d in loaded] == list(range(WORLD))
     return [d["results"] for d in loaded]
 

@@ -6,10 +6,9 @@ output by then), so 1F1B holds at most p - r sent outputs on rank r, as the sche
 from __future__ import annotations
 
 import os
-import pickle
 
 import pytest
-from conftest import run_torchrun
+from conftest import load_rank_results, run_torchrun
 from mlp_harness import MatrixJob, check
 
 from hyper_parallel import Schedule1F1B
@@ -21,7 +20,7 @@ WORLD, MICRO = 3, 6
 @pytest.mark.timeout(300)
 def test_sent_outputs_are_freed_when_their_gradient_arrives(tmp_path):
     run_torchrun(os.path.join(HERE, "send_release_gloo_worker.py"), WORLD, str(tmp_path), timeout=240)
-    results = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
+    results = load_rank_results(tmp_path, WORLD)
     for rank, result in enumerate(results[:-1]):
         assert len(result["held"]) == MICRO, f"rank {rank} sent {len(result['held'])} outputs"
         # 1F1B keeps p - r micro-batches in flight on rank r; every older output was freed

@@ -4,11 +4,10 @@ non-pipelined oracle: every micro-batch's loss, every gradient, and the peak act
 from __future__ import annotations
 
 import os
-import pickle
 from typing import Any
 
 import pytest
-from conftest import run_torchrun
+from conftest import load_rank_results, run_torchrun
 from mlp_harness import check
 from zero_bubble_gloo_worker import CASES, P
 
@@ -22,10 +21,7 @@ pytestmark = pytest.mark.timeout(240)
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("gloo_zb")
     run_torchrun(os.path.join(HERE, "zero_bubble_gloo_worker.py"), P, str(out), timeout=180)
-    loaded = []
-    for r in range(P):
-        with open(out / f"rank{r}.pkl", "rb") as f:
-            loaded.append(pickle.load(f))
+    loaded = load_rank_results(out, P)
     assert [(d["rank"], d["world"]) for d in loaded] == [(r, P) for r in range(P)]
     return loaded
 

@@ -9,8 +9,6 @@ Usage (under torchrun, HYPER_PARALLEL_PLATFORM=torch): zero_bubble_gloo_worker.p
 
 from __future__ import annotations
 
-import os
-import pickle
 import sys
 import traceback
 
@@ -19,7 +17,7 @@ from mlp_harness import MatrixJob, run_matrix_job
 
 from hyper_parallel import ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 from hyper_parallel.platform import get_platform
-from gloo_exit import run_and_leave
+from gloo_exit import run_and_leave, write_rank_result
 
 P = 4
 CASES = {  # name -> job; m at the minimum, 2p and 2p+1 across the schedules, both transports
@@ -46,10 +44,7 @@ def main(out_dir: str) -> None:
             print(f"rank {p.rank}: case {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
             raise
     p.barrier()
-    path = os.path.join(out_dir, f"rank{p.rank}.pkl")
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump({"rank": p.rank, "world": p.world_size, "results": results}, f)
-    os.replace(path + ".tmp", path)
+    write_rank_result(out_dir, p.rank, {"rank": p.rank, "world": p.world_size, "results": results})
 
 
 if __name__ == "__main__":
