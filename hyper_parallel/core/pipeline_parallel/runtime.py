@@ -18,6 +18,7 @@ was built with ``free_sent_outputs=False``. A wait still blocked after
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from hyper_parallel.platform.base import Handle, P2POp, Platform, WaitAborted
 Key = tuple[int, int]  # (stage index, micro-batch index)
 CustomFunction = Callable[[MetaStep, "StepContext"], None]
 _T = MetaStepType
+_NOT_WATCHED = contextlib.nullcontext()
 P2P_TYPES = frozenset({_T.FWD_SEND, _T.FWD_RECV, _T.BWD_SEND, _T.BWD_RECV})
 
 
@@ -397,7 +399,7 @@ class PipelineRuntime:
 
     def _meta_recv(self, step: MetaStep) -> None:
         peer = self._peer(step)
-        with watched(f"rank {self.rank}: {step} waiting for rank {peer}"):
+        with watched(lambda: f"rank {self.rank}: {step} waiting for rank {peer}"):
             try:
                 values = self.p.recv_meta(peer, tag=self.tag)
             except TimeoutError as exc:
@@ -445,8 +447,11 @@ class PipelineRuntime:
         return recv
 
     def _wait(self, handle: Handle, step: MetaStep | None, peer: int | None) -> None:
-        what = f"rank {self.rank}: {step} waiting for rank {peer}" if step else f"rank {self.rank}: its sends"
-        with watched(what):
+        def what() -> str:  # formatted only if the wait is logged
+            return f"rank {self.rank}: {step} waiting for rank {peer}" if step else f"rank {self.rank}: its sends"
+
+        # a completed handle (most waits of a busy pipeline) has nothing to watch
+        with _NOT_WATCHED if handle.is_completed() else watched(what):
             try:
                 handle.wait()
             except TimeoutError as exc:

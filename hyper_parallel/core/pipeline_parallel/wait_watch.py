@@ -14,33 +14,41 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from typing import Union
 
 _logger = logging.getLogger("hyper_parallel")
+Describe = Union[str, Callable[[], str]]  # what waits; a callable is only called if the wait is logged
+
+
+_parsed: tuple[str, float] = ("30", 30.0)  # the last value read and its meaning: parsed once per change
 
 
 def wait_log_interval() -> float:
     """Seconds after which a blocked wait is logged (``HYPER_PARALLEL_WAIT_LOG_INTERVAL``; 0 = never)."""
+    global _parsed
     value = os.environ.get("HYPER_PARALLEL_WAIT_LOG_INTERVAL", "30")
+    if value == _parsed[0]:
+        return _parsed[1]
     try:
         seconds = float(value)
     except ValueError:
         raise ValueError(f"HYPER_PARALLEL_WAIT_LOG_INTERVAL must be a number of seconds, got {value!r}") from None
     if seconds < 0:
         raise ValueError(f"HYPER_PARALLEL_WAIT_LOG_INTERVAL must be >= 0, got {value!r}")
+    _parsed = (value, seconds)
     return seconds
 
 
 class _Watch:
     def __init__(self) -> None:
-        self._open: dict[int, tuple[float, float, str]] = {}  # token -> (start, interval, what)
+        self._open: dict[int, tuple[float, float, Describe]] = {}  # token -> (start, interval, what)
         self._tokens = itertools.count()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def open(self, what: str, interval: float) -> int:
+    def open(self, what: Describe, interval: float) -> int:
         token = next(self._tokens)
         self._open[token] = (time.monotonic(), interval, what)
         if self._thread is None:
@@ -64,7 +72,8 @@ class _Watch:
                 waited = now - start
                 if waited >= interval:
                     if self._open.pop(token, None) is not None:
-                        _logger.warning("hyper_parallel: %s has waited %.0f s so far", what, waited)
+                        text = what() if callable(what) else what
+                        _logger.warning("hyper_parallel: %s has waited %.0f s so far", text, waited)
                 else:
                     soonest = min(soonest, interval - waited)
             self._wake.wait(max(soonest, 0.01))
@@ -73,15 +82,22 @@ class _Watch:
 _WATCH = _Watch()
 
 
-@contextmanager
-def watched(what: str) -> Iterator[None]:
-    """Log ``what`` once if the body is still running after the wait-log interval."""
-    interval = wait_log_interval()
-    if interval <= 0:
-        yield
-        return
-    token = _WATCH.open(what, interval)
-    try:
-        yield
-    finally:
-        _WATCH.close(token)
+class watched:  # noqa: N801 - used like a function: ``with watched(what):``
+    """Log ``what`` (a string, or a callable making it) once if the body is still running after the
+    wait-log interval. A plain class,
+    not a generator context manager: the runtime opens one per wait, several hundred per step."""
+
+    __slots__ = ("_token", "_what")
+
+    def __init__(self, what: Describe) -> None:
+        self._what = what
+        self._token: int | None = None
+
+    def __enter__(self) -> None:
+        interval = wait_log_interval()
+        if interval > 0:
+            self._token = _WATCH.open(self._what, interval)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _WATCH.close(self._token)
