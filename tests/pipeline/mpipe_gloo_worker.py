@@ -24,6 +24,16 @@ CASES = [
     Case("owner-full-overflow", 2, 7, 2, owner_backward=True),
     Case("owner-min-overflow", 1, 6, 2, owner_backward=True, overflow_mode="min", overlap_p2p=True),
     Case("frozen-full-overflow", 1, 8, 2, trainable=False),
+    # m <= p (ranks past the NT = m owners own nothing) and the min-overflow modes not hit above
+    Case("dataload-only-m<p", 1, 3, 0),
+    Case("dataload-only-min-m=p", 2, 4, 0, overflow_mode="min"),
+    Case("dataload-only-min-overflow-owned", 1, 10, 0, overflow_mode="min", inputs="owned"),
+    Case("recompute-min-m<p-owned", 1, 2, 2, overflow_mode="min", inputs="owned"),
+    Case("owner-m=p-prefetch", 1, 4, 2, owner_backward=True, overlap_p2p=True),
+    Case("owner-min-m<p-owned", 2, 3, 1, owner_backward=True, overflow_mode="min", inputs="owned"),
+    Case("frozen-m=p", 2, 4, 2, trainable=False),
+    Case("frozen-min-m=1-owned", 1, 1, 2, trainable=False, overflow_mode="min", inputs="owned"),
+    Case("frozen-min-overflow", 2, 9, 1, trainable=False, overflow_mode="min"),
 ]
 
 

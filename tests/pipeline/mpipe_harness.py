@@ -40,6 +40,24 @@ class Case:
                     overlap_p2p=self.overlap_p2p)
 
 
+# The issue's test matrix: every preprocess kind x (m <= p, m > NT) x overflow mode, on each engine.
+KINDS = ("dataload-only", "recompute", "owner", "frozen")
+REGIMES = ("m<=p", "m>NT")
+REQUIRED = frozenset((k, r, mode) for k in KINDS for r in REGIMES for mode in ("full", "min"))
+
+
+def combination(case: Case, num_ranks: int) -> tuple[str, str, str]:
+    """(preprocess kind, micro-batch regime, overflow mode) a case runs on ``num_ranks`` ranks
+    (NT = min(p, m) owners, so m > NT means m > p)."""
+    kind = ("dataload-only" if case.layers == 0 else "frozen" if not case.trainable
+            else "owner" if case.owner_backward else "recompute")
+    return kind, "m<=p" if case.micro <= num_ranks else "m>NT", case.overflow_mode
+
+
+def missing_combinations(cases: list[tuple[int, Case]]) -> set[tuple[str, str, str]]:
+    """The required combinations that no ``(num_ranks, case)`` hits."""
+    return set(REQUIRED) - {combination(case, p) for p, case in cases}
+
 def weights(num_stages: int, layers: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpipe_harness import TOL, Case, check, data, mse, run_case, torch_modules, torch_oracle
+from mpipe_gloo_worker import CASES as GLOO_CASES
+from mpipe_gloo_worker import P as GLOO_P
+from mpipe_harness import TOL, Case, check, data, missing_combinations, mse, run_case, torch_modules, torch_oracle
 
 from hyper_parallel.core.pipeline_parallel.mpipe import ScheduleMPipeTranspose
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
@@ -23,6 +25,17 @@ TORCH_CASES = [
          overlap_p2p=True),
     Case("frozen-full-overflow", 2, 8, 2, trainable=False),
     Case("two-runs-accumulate", 1, 5, 2, owner_backward=True, runs=2),
+    # m <= p (NT = m owners, ranks past them own nothing) and the min-overflow modes not hit above
+    Case("dataload-only-m=p", 2, 4, 0),
+    Case("dataload-only-min-m<p-owned", 1, 2, 0, overflow_mode="min", inputs="owned"),
+    Case("dataload-only-min-overflow-prefetch", 2, 9, 0, overflow_mode="min", overlap_p2p=True),
+    Case("recompute-min-m=p-owned", 2, 4, 2, overflow_mode="min", inputs="owned"),
+    Case("owner-m<p", 1, 2, 2, owner_backward=True),
+    Case("owner-m=1-owned", 1, 1, 2, owner_backward=True, inputs="owned"),
+    Case("owner-min-m=p-prefetch", 2, 4, 1, owner_backward=True, overflow_mode="min", overlap_p2p=True),
+    Case("frozen-m<p-owned", 1, 3, 2, trainable=False, inputs="owned"),
+    Case("frozen-min-m=p", 2, 4, 1, trainable=False, overflow_mode="min"),
+    Case("frozen-min-overflow-owned", 1, 11, 2, trainable=False, overflow_mode="min", inputs="owned"),
 ]
 
 
@@ -31,17 +44,42 @@ def test_torch_matches_non_pipelined(case):
     check(case, LocalCluster(P, platform="torch").run(run_case, case), "torch")
 
 
+# (ranks, case): p = 2 and p = 3 together hit every required combination (PyNative is slow: one
+# case per combination, the p = 3 ones where ranks own nothing or several overflow rounds).
 MS_CASES = [
-    Case("recompute-full-overflow", 1, 5, 1),
-    Case("owner-min-overflow", 2, 3, 1, owner_backward=True, overflow_mode="min"),
-    Case("dataload-only-owned", 1, 3, 0, inputs="owned"),
-    Case("frozen", 1, 2, 1, trainable=False),
+    (2, Case("recompute-full-overflow", 1, 5, 1)),
+    (2, Case("owner-min-overflow", 2, 3, 1, owner_backward=True, overflow_mode="min")),
+    (2, Case("dataload-only-owned", 1, 3, 0, inputs="owned")),
+    (2, Case("frozen-m=p", 1, 2, 1, trainable=False)),
+    (2, Case("dataload-only-m=p", 2, 2, 0)),
+    (2, Case("recompute-m=1", 1, 1, 1)),
+    (2, Case("owner-min-m=p-owned", 1, 2, 1, owner_backward=True, overflow_mode="min", inputs="owned")),
+    (2, Case("frozen-full-overflow", 1, 3, 1, trainable=False)),
+    (3, Case("dataload-only-min-m=p-owned", 1, 3, 0, overflow_mode="min", inputs="owned")),
+    (3, Case("dataload-only-min-overflow", 1, 4, 0, overflow_mode="min")),
+    (3, Case("recompute-min-m<p-owned", 1, 2, 1, overflow_mode="min", inputs="owned")),
+    (3, Case("recompute-min-overflow", 1, 4, 1, overflow_mode="min")),
+    (3, Case("owner-m=p", 2, 3, 1, owner_backward=True)),
+    (3, Case("owner-full-overflow-prefetch", 1, 5, 1, owner_backward=True, overlap_p2p=True)),
+    (3, Case("frozen-min-m<p", 1, 2, 1, trainable=False, overflow_mode="min")),
+    (3, Case("frozen-min-overflow", 1, 4, 1, trainable=False, overflow_mode="min")),
 ]
 
 
-@pytest.mark.parametrize("case", MS_CASES, ids=lambda c: c.name)
-def test_mindspore_matches_non_pipelined(case):
-    check(case, LocalCluster(2, platform="mindspore").run(run_case, case), "mindspore")
+@pytest.mark.parametrize(("ranks", "case"), MS_CASES, ids=[f"p{p}-{c.name}" for p, c in MS_CASES])
+def test_mindspore_matches_non_pipelined(ranks, case):
+    check(case, LocalCluster(ranks, platform="mindspore").run(run_case, case), "mindspore")
+
+
+@pytest.mark.parametrize(("engine", "cases"), [
+    ("torch LocalCluster", [(P, c) for c in TORCH_CASES]),
+    ("torch gloo", [(GLOO_P, c) for c in GLOO_CASES]),
+    ("MindSpore LocalCluster", MS_CASES),
+])
+def test_each_engine_runs_every_required_combination(engine, cases):
+    """Every preprocess kind (T = 0, recompute, owner backward, frozen) x (m <= p, m > NT) x
+    overflow mode is run on each engine against the non-pipelined oracle."""
+    assert not missing_combinations(cases), f"{engine} misses {sorted(missing_combinations(cases))}"
 
 
 # ---------------------------------------------------------------------- eval, failures
