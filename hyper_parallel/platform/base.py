@@ -406,10 +406,11 @@ class Platform(ABC):
         """
         raise NotImplementedError(f"the {self.name} platform has no differentiable sync points")
 
-    def compiled_stages(self) -> str | None:
+    def compiled_stages(self, module: Any = None) -> str | None:
         """Why stage steps would run as compiled graphs now (for error messages), or None when they
         run op by op. Python code inside a compiled stage (hooks, sync points, Python-level
-        communication) does not run at each step."""
+        communication, activation wrappers) does not run at each step. With ``module`` (a stage's
+        module), also why that module is compiled by itself (e.g. a construct the user compiled)."""
         return None
 
     def run_helper_threads(self, targets: Sequence[Callable[[], None]]) -> None:

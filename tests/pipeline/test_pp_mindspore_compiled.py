@@ -111,8 +111,13 @@ def test_every_schedule_tied_and_two_tensors_matches_non_pipelined(setting: str,
     np.testing.assert_array_equal(grads["tok_emb"], grads["head.weight"])  # shared_parameters summed them
 
 
-def test_keyword_arguments(setting: str) -> None:
-    config = small_config(n_layers=2)
+@pytest.mark.parametrize(("setting", "schedule"), [("graph", "gpipe"), ("jit", "gpipe"), ("jit", "zbv"),
+                                                   ("graph", "dualpipe_v")], indirect=["setting"])
+def test_keyword_arguments(setting: str, schedule: str, split_and_pairs: None) -> None:
+    """Keyword inputs of stage 0, with GPipe and with the V schedules (stage 0 and the last stage on
+    rank 0, the dx/dW split; DualPipeV's OVERLAP_B_F pairs)."""
+    num_stages = P * SCHEDULES[schedule][1]
+    config = small_config(n_layers=num_stages)
     tokens, targets = batch(config, 4)
     rng = np.random.default_rng(5)
     kwargs = {
@@ -121,10 +126,12 @@ def test_keyword_arguments(setting: str) -> None:
         "attn_scale": 0.5,  # not a tensor: a constant of the compiled graph
     }
     _, offset_first = wrappers("mindspore")
-    job = Job("gpipe", 2, config, tokens, targets, wrap_first=offset_first, run_kwargs=kwargs,
+    job = Job(schedule, MICRO.get(schedule, 2), config, tokens, targets, wrap_first=offset_first, run_kwargs=kwargs,
               options={"kwargs_batch_dim": {"offset": 0, "bias_vec": BatchDimSpec(None)}})
-    ref_loss, ref_grads = chained_oracle("mindspore", job, P, kwargs)
-    _compare(_run(setting, job), ref_loss, ref_grads)
+    ref_loss, ref_grads = chained_oracle("mindspore", job, num_stages, kwargs)
+    results = _run(setting, job)
+    _compare(results, ref_loss, ref_grads)
+    assert ("BWD_INPUT" in _steps_ran(results)) == (schedule in ("zbv", "dualpipe_v"))
 
 
 def test_last_stage_returns_the_loss_without_loss_fn(setting: str) -> None:
@@ -136,13 +143,19 @@ def test_last_stage_returns_the_loss_without_loss_fn(setting: str) -> None:
     _compare(_run(setting, job), ref_loss, ref_grads)
 
 
-def test_dyn_shape_compiles_each_sequence_length(setting: str) -> None:
-    config = small_config(n_layers=2)
+@pytest.mark.parametrize(("setting", "schedule"), [("graph", "1f1b"), ("jit", "zb_h1"), ("graph", "interleaved")],
+                         indirect=["setting"])
+def test_dyn_shape_compiles_each_sequence_length(setting: str, schedule: str, split_and_pairs: None) -> None:
+    """Three runs of sequence lengths 5, 8, 5: 1F1B, ZB-H1 (the dx/dW split: each input backward
+    keeps a dW of its own run's shapes) and interleaved 1F1B (two chunks per rank)."""
+    config = small_config(n_layers=2 * SCHEDULES[schedule][1])
     seqs = [5, 8, 5]
     data = [batch(config, 4, seq=s, seed=k) for k, s in enumerate(seqs)]
-    job = Job("1f1b", 2, config, [d[0] for d in data], [d[1] for d in data], runs=len(seqs),
+    job = Job(schedule, 2, config, [d[0] for d in data], [d[1] for d in data], runs=len(seqs),
               stage_options={"dyn_shape": True}, options={"scale_grads": False})
-    losses, grads = merged(_run(setting, job))
+    results = _run(setting, job)
+    assert ("BWD_INPUT" in _steps_ran(results)) == (schedule == "zb_h1")
+    losses, grads = merged(results)
     total: dict[str, np.ndarray] = {}
     for k, (tokens, targets) in enumerate(data):
         ref_loss, ref_grads = full_model_oracle("mindspore", config, tokens, targets)
@@ -184,7 +197,7 @@ def test_user_jit_stage_cells(mode: str, schedule: str, split_and_pairs: None) -
     results = _run("graph" if mode == "graph" else "pynative", job)
     losses, grads = merged(results)
     check_against_oracle("mindspore", losses[0], grads, ref_loss, ref_grads)
-    assert ("BWD_INPUT" in _steps_ran(results)) == (schedule == "zbv")
+    assert ("BWD_INPUT" in _steps_ran(results)) == (schedule in ("zbv", "dualpipe_v"))
 
 
 def _one_step_then_sgd(lr: float) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hyper_parallel.core.pipeline_parallel.compiled_check import check_activation_features
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.meta import TensorMeta, describe
 from hyper_parallel.core.pipeline_parallel.microbatch import split_inputs, split_target
@@ -108,6 +109,7 @@ class ScheduleMPipeTranspose(ScheduleInterleaved1F1B):
         super().__init__(stages, micro_batch_num, p2p_transport="plain" if transport == "auto" else transport,
                          **common)
         self.preprocess_module = preprocess_module
+        check_activation_features(self)  # the preprocess too (the run hook checks it before each run)
         self.num_transpose_layers = num_transpose_layers
         self.overflow_mode = overflow_mode
         self.owner_backward = owner_backward

@@ -154,6 +154,9 @@ class PipelineSchedule:
             from hyper_parallel.core.pipeline_parallel.swap import enable_swap
 
             enable_swap(self, swap_threshold)
+        from hyper_parallel.core.pipeline_parallel.compiled_check import enable_activation_check
+
+        enable_activation_check(self)  # swap and activation wrappers cannot run in compiled stages
         self.comm_compute_overlap = None
         if comm_compute_overlap is not None:  # the built-in OVERLAP_B_F handler
             if not any(st is not None and st.meta_type.is_overlap for steps in self.compute_schedule.values()

@@ -92,6 +92,14 @@ class SavedTensorSupport:
         ops.set_forward(module, forward)
         return module
 
+    def wrapped_modules(self, module: Any) -> list[tuple[str, str]]:
+        """``(dotted name, wrapper)`` of every module in ``module`` (itself named ``""``) that
+        :meth:`swap_wrapper` or :meth:`checkpoint_wrapper` wrapped."""
+        if not self.ops.is_module(module):
+            return []
+        return [(name, getattr(m, _MARK)) for name, m in self.ops.named_modules(module)
+                if getattr(m, _MARK, None) is not None]
+
     def _claim(self, module: Any, what: str) -> Callable[..., Any]:
         if not self.ops.is_module(module):
             raise TypeError(f"{what} needs a {self.ops.name} module, got {type(module).__name__}")

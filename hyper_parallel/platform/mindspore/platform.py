@@ -74,14 +74,17 @@ class MindSporePlatform(Platform):
         """``"auto"`` (compile stages in GRAPH_MODE), ``"jit"`` (always) or ``"eager"`` (never)."""
         return self._autograd.compile_mode
 
-    def compiled_stages(self) -> str | None:
+    def compiled_stages(self, module: Any = None) -> str | None:
+        from hyper_parallel.platform.mindspore.autograd import uses_jit
         from hyper_parallel.platform.mindspore.compiled import COMPILE_ENV, user_mode
 
         mode = user_mode()
-        if not self._autograd.compiles(mode):
-            return None
-        return (f"the MindSpore platform compiles every stage with ms.jit ({COMPILE_ENV}={self.compile_mode}, "
-                f"context {'GRAPH_MODE' if mode == ms.GRAPH_MODE else 'PYNATIVE_MODE'})")
+        if self._autograd.compiles(mode):
+            return (f"the MindSpore platform compiles every stage with ms.jit ({COMPILE_ENV}={self.compile_mode}, "
+                    f"context {'GRAPH_MODE' if mode == ms.GRAPH_MODE else 'PYNATIVE_MODE'})")
+        if isinstance(module, ms.nn.Cell) and uses_jit(module):
+            return f"{type(module).__name__} (or a Cell inside it) has a construct compiled with @ms.jit"
+        return None
 
     def _default_communicator(self) -> Communicator:
         from hyper_parallel.platform.mindspore.comm import MindSporeCommunicator
