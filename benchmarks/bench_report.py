@@ -44,6 +44,14 @@ def _section(name: str, res: Any, params: dict[str, Any]) -> list[str]:
                        "ours / torch"],
                       [[r["schedule"], r["chunks"], r["ideal_ms"], r["ours_ms"], r["torch_ms"], r["ours_eff"],
                         r["torch_eff"], r["ours_over_torch"]] for r in res])
+        if res and "machine_bound_ms" in res[0]:
+            out += ["", f"Machine bound: the same simulation with this machine's measured one-way message latency "
+                    f"({res[0]['latency_ms']:.3f} ms between neighbours) on every hop and each sleep's measured "
+                    f"overshoot ({res[0]['sleep_extra_ms']:.3f} ms per call): no runtime can beat it here. The "
+                    "efficiency against it is the share of the makespan the runtime itself does not lose.", ""]
+            out += _table(["schedule", "machine bound (ms)", "ours eff. of bound", "torch eff. of bound"],
+                          [[r["schedule"], r["machine_bound_ms"], r["ours_eff_of_bound"], r["torch_eff_of_bound"]]
+                           for r in res])
     elif name == "overhead":
         out += [f"m={p['m']}, median of {p['rounds']} alternating rounds; per lowered step = step time / the busiest "
                 "rank's lowered steps in our lists (same divisor for both).", ""]

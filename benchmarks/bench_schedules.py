@@ -119,14 +119,46 @@ def _sleep_module(num_chunks: int, width: int = 16, split: bool = False, scale: 
     return make
 
 
-def ideal_makespan_ms(name: str, m: int, scale: float = 1.0) -> float:
+def ideal_makespan_ms(name: str, m: int, scale: float = 1.0, latency_ms: float = 0.0,
+                      sleep_extra_ms: float = 0.0) -> float:
+    """The schedule simulated with the sleep costs: free communication by default; with this
+    machine's one-way message latency and the time each ``time.sleep`` overshoots, the best any
+    runtime can do here (a chunk's F sleeps once, its B twice, its I and W once each)."""
     from hyper_parallel.core.pipeline_parallel.costs import CostModel
     from hyper_parallel.core.pipeline_parallel.simulate import simulate_schedule
 
     v = SCHEDULES[name][0]
-    costs = CostModel.per_rank_share(P, v, F=F_MS * scale, B=B_MS * scale, I=I_MS * scale, W=W_MS * scale)
+    extra = sleep_extra_ms * v  # per_rank_share divides a rank's share over its v chunks
+    costs = CostModel.per_rank_share(P, v, F=F_MS * scale + extra, B=B_MS * scale + 2 * extra,
+                                     I=I_MS * scale + extra, W=W_MS * scale + extra, p2p_latency_ms=latency_ms)
     _, result = simulate_schedule(getattr(hp, name), P, v, m, costs, lowered=False)
     return float(result.makespan)
+
+
+def machine_costs(trips: int = 21) -> dict[str, float]:
+    """This machine's share of a sleep-cost makespan, measured in the job: the one-way latency of a
+    small message between neighbours (ranks 0-1 and 2-3 ping-pong at once, as a pipeline's
+    neighbours talk at once) and how much longer than asked a 5 ms ``time.sleep`` takes."""
+    rank = dist.get_rank()
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
+    buf = torch.zeros(16)
+    one_way = []
+    for _ in range(trips):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank % 2 == 0:
+            dist.send(buf, peer)
+            dist.recv(buf, peer)
+        else:
+            dist.recv(buf, peer)
+            dist.send(buf, peer)
+        one_way.append((time.perf_counter() - start) / 2)
+    overshoot = []
+    for _ in range(trips):
+        start = time.perf_counter()
+        time.sleep(0.005)
+        overshoot.append(time.perf_counter() - start - 0.005)
+    return {"latency_s": median(one_way), "sleep_extra_s": median(overshoot)}
 
 
 def _lowered_steps(schedule: Any) -> int:
@@ -140,6 +172,7 @@ def efficiency_job(m: int, rounds: int, schedules: list[str], scale: float = 1.0
         v, split, _ = SCHEDULES[name]
         steps = {lib: build(lib, name, _sleep_module(v, split=split, scale=scale), m, 1, 16)[1] for lib in LIBS}
         out[name] = alternate_pairs(steps, rounds, dist.barrier)
+    out["machine"] = machine_costs()
     return out
 
 
@@ -199,14 +232,22 @@ def p2p_job(m: int, rounds: int, big_width: int, scale: float = 1.0) -> dict:
 # ---------------------------------------------------------------------------- summaries (parent)
 def summarize_efficiency(per_rank: list[dict], m: int, scale: float = 1.0) -> list[dict]:
     rows = []
+    machine = [r.get("machine", {}) for r in per_rank]
+    latency_ms = max((mc.get("latency_s", 0.0) for mc in machine), default=0.0) * 1e3
+    sleep_extra_ms = median([mc.get("sleep_extra_s", 0.0) for mc in machine]) * 1e3
     for name in per_rank[0]:
+        if name == "machine":
+            continue
         ideal = ideal_makespan_ms(name, m, scale)
+        bound = ideal_makespan_ms(name, m, scale, latency_ms, sleep_extra_ms)
         spans = {lib: _spans(per_rank, name, lib) for lib in LIBS}
         med = {lib: median(spans[lib]) * 1e3 for lib in LIBS}
         rows.append({"schedule": name, "chunks": SCHEDULES[name][0], "split": SCHEDULES[name][1],
                      "ideal_ms": ideal, "ours_ms": med["ours"], "torch_ms": med["torch"],
                      "ours_eff": ideal / med["ours"], "torch_eff": ideal / med["torch"],
-                     "ours_over_torch": med["ours"] / med["torch"], "rounds": len(spans["ours"])})
+                     "ours_over_torch": med["ours"] / med["torch"], "rounds": len(spans["ours"]),
+                     "machine_bound_ms": bound, "latency_ms": latency_ms, "sleep_extra_ms": sleep_extra_ms,
+                     "ours_eff_of_bound": bound / med["ours"], "torch_eff_of_bound": bound / med["torch"]})
     return rows
 
 
