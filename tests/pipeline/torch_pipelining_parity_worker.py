@@ -16,7 +16,17 @@ import torch.distributed as dist
 from gloo_exit import run_and_leave
 
 N_MICROBATCHES = 8
-SCHEDULES = {"ScheduleGPipe": 1, "Schedule1F1B": 1, "ScheduleInterleaved1F1B": 2, "ScheduleLoopedBFS": 2}
+# name -> (stages per rank, placement): looped puts stage c * world + rank on rank; "v" puts stages
+# rank and 2 * world - 1 - rank on rank (torch's ZBV and DualPipeV require exactly that)
+SCHEDULES = {"ScheduleGPipe": (1, "looped"), "Schedule1F1B": (1, "looped"), "ScheduleInterleaved1F1B": (2, "looped"),
+             "ScheduleLoopedBFS": (2, "looped"), "ScheduleInterleavedZeroBubble": (2, "looped"),
+             "ScheduleZBVZeroBubble": (2, "v"), "ScheduleDualPipeV": (2, "v")}
+
+
+def stage_indices(rank: int, world: int, chunks: int, placement: str) -> list[int]:
+    if placement == "v":
+        return [rank, 2 * world - 1 - rank]
+    return [c * world + rank for c in range(chunks)]
 
 
 def stage_module(index: int) -> torch.nn.Module:
@@ -33,11 +43,12 @@ def train_step(library: str, schedule_name: str, rank: int, world: int) -> dict:
     lib = importlib.import_module(library)
     PipelineStage = lib.PipelineStage  # noqa: N806 - the import's own names
     ScheduleClass = getattr(lib, schedule_name)  # noqa: N806
-    chunks = SCHEDULES[schedule_name]
+    chunks, placement = SCHEDULES[schedule_name]
     num_stages = world * chunks
     device = torch.device("cpu")
-    modules = [stage_module(c * world + rank) for c in range(chunks)]
-    stages = [PipelineStage(m, c * world + rank, num_stages, device) for c, m in zip(range(chunks), modules)]
+    indices = stage_indices(rank, world, chunks, placement)
+    modules = [stage_module(i) for i in indices]
+    stages = [PipelineStage(m, i, num_stages, device) for i, m in zip(indices, modules)]
     schedule = ScheduleClass(stages if chunks > 1 else stages[0], n_microbatches=N_MICROBATCHES, loss_fn=loss_fn)
 
     torch.manual_seed(0)
@@ -45,15 +56,17 @@ def train_step(library: str, schedule_name: str, rank: int, world: int) -> dict:
     target = torch.randn(16, 8)
     losses: list = []
     output = None
-    if rank == 0:
+    if 0 in indices and num_stages - 1 in indices:  # V placement: rank 0 holds the first and the last stage
+        output = schedule.step(x, target=target, losses=losses)
+    elif 0 in indices:
         schedule.step(x)
-    elif rank == world - 1:
+    elif num_stages - 1 in indices:
         output = schedule.step(target=target, losses=losses)
     else:
         schedule.step()
-    grads = {f"{c * world + rank}.{n}": p.grad.tolist() for c, m in enumerate(modules) for n, p in m.named_parameters()}
+    grads = {f"{i}.{n}": p.grad.tolist() for i, m in zip(indices, modules) for n, p in m.named_parameters()}
     return {"losses": [float(v) for v in losses], "output": None if output is None else output.tolist(),
-            "grads": grads}
+            "grads": grads, "last": num_stages - 1 in indices}
 
 
 def main(out_dir: str) -> None:
