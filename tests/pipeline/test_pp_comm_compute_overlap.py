@@ -380,6 +380,39 @@ def test_comm_compute_overlap_is_refused_by_schedules_without_overlap_pairs():
     LocalCluster(1, "torch", timeout=TIMEOUT).run(body)
 
 
+def test_interleaved_overlap_b_f_without_a_pair_names_the_fewest_micro_batches():
+    """ScheduleInterleaved1F1B(overlap_b_f=True) at m <= p has no pair (every forward runs in the
+    warm-up), so a comm_compute_overlap is refused; the message used to tell the user to use
+    ScheduleInterleaved1F1B(overlap_b_f=True) -- what they did. It names m = p + 1 now, and the
+    schedule pairs from there on."""
+    from hyper_parallel.core.pipeline_parallel.schedule import ScheduleInterleaved1F1B
+
+    def body():
+        from mlp_harness import MatrixJob, build_stages
+
+        stages = build_stages(MatrixJob(ScheduleInterleaved1F1B, 2, 2), 4, ScheduleInterleaved1F1B.stage_placement(2, 2))
+        with pytest.raises(ValueError, match=r"ScheduleInterleaved1F1B \(p=2, m=2\) has none: with overlap_b_f=True it "
+                           r"makes its first pair at 3 micro-batches: run at least 3 or drop comm_compute_overlap$"):
+            ScheduleInterleaved1F1B(stages, 2, overlap_b_f=True, comm_compute_overlap=CommComputeOverlap())
+        overlap = CommComputeOverlap()
+        assert ScheduleInterleaved1F1B(stages, 3, overlap_b_f=True, comm_compute_overlap=overlap).comm_compute_overlap \
+            is overlap
+
+    LocalCluster(2, "torch", timeout=TIMEOUT).run(body)
+
+
+@pytest.mark.parametrize("p", range(1, 6))
+def test_interleaved_overlap_b_f_pairs_from_p_plus_1_micro_batches(p):
+    from hyper_parallel.core.pipeline_parallel.schedule import ScheduleInterleaved1F1B
+    from hyper_parallel.core.pipeline_parallel.schedules.interleaved_1f1b import generate_interleaved_1f1b
+
+    least = ScheduleInterleaved1F1B.min_overlap_microbatches(p)
+    for v in (2, 3, 4):
+        for m in range(1, 2 * p + 3):
+            steps = [st for rank in generate_interleaved_1f1b(p, v, m, overlap_b_f=True).values() for st in rank]
+            assert any(st is not None and st.meta_type.is_overlap for st in steps) == (m >= least), (v, m)
+
+
 @pytest.mark.parametrize("name", ["scale_grads", "overlap_p2p", "keep_grads_on_error", "swap"])
 @pytest.mark.parametrize("value", ["False", 0, 1.0, None])
 def test_schedule_switches_must_be_bools(name, value):

@@ -5,11 +5,14 @@ match a non-pipelined oracle (the stages chained, one backward per micro-batch).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.overlap import CommComputeOverlap, HookCoordinator
 from hyper_parallel.core.pipeline_parallel.schedule import ScheduleInterleaved1F1B
+from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import ScheduleDualPipeV
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster
@@ -34,10 +37,45 @@ def weights(stage: int, ep: int) -> dict[str, np.ndarray]:
     }
 
 
-def data(ep: int) -> tuple[np.ndarray, np.ndarray]:
+def data(ep: int, micro: int = MICRO) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(7 + ep)
-    return (rng.standard_normal((MICRO * ROWS, WIDTH)).astype(np.float32),
-            rng.standard_normal((MICRO * ROWS, WIDTH)).astype(np.float32))
+    return (rng.standard_normal((micro * ROWS, WIDTH)).astype(np.float32),
+            rng.standard_normal((micro * ROWS, WIDTH)).astype(np.float32))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A schedule and its sizes: ``ScheduleInterleaved1F1B`` ("off": overlap_b_f=False, "pairs":
+    overlap_b_f=True run in sequence, "on": overlap_b_f=True on a CommComputeOverlap) or
+    ``ScheduleDualPipeV`` (its pairs always: "off" in sequence, "on" on a CommComputeOverlap)."""
+
+    cls: type = ScheduleInterleaved1F1B
+    pp: int = PP
+    chunks: int = CHUNKS
+    micro: int = MICRO
+
+    @property
+    def stages(self) -> int:
+        return self.pp * self.chunks
+
+    def indices(self, pp_rank: int) -> list[int]:
+        return sorted(s for s, r in self.cls.stage_placement(self.pp, self.chunks).items() if r == pp_rank)
+
+    def modes(self) -> tuple[str, ...]:
+        if self.cls is ScheduleDualPipeV:
+            return ("off", "on")
+        if self.micro < ScheduleInterleaved1F1B.min_overlap_microbatches(self.pp):  # no pair: "on" is refused
+            return ("off", "pairs")
+        return ("off", "pairs", "on")
+
+    def schedule(self, stages, mode, overlap, loss):
+        if self.cls is ScheduleDualPipeV:
+            return ScheduleDualPipeV(stages, self.micro, loss_fn=loss, comm_compute_overlap=overlap)
+        return ScheduleInterleaved1F1B(stages, self.micro, loss_fn=loss, overlap_b_f=mode != "off",
+                                       comm_compute_overlap=overlap)
+
+
+DEFAULT = Shape()
 
 
 def exchange(p, group, overlap, kind, last):
@@ -112,37 +150,42 @@ def loss_fn(framework):
     return mse
 
 
-def rank_body(framework):
+def rank_body(framework, shape=DEFAULT, modes=None):
     import hyper_parallel as hp
 
     p = get_platform()
-    mesh = hp.init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))
+    mesh = hp.init_device_mesh("cpu", (shape.pp, EP), mesh_dim_names=("pp", "ep"))
     pp, ep = mesh.get_local_rank("pp"), mesh.get_local_rank("ep")
     group = mesh.get_group("ep")
-    x, y = data(ep)
+    x, y = data(ep, shape.micro)
     out = {}
-    for mode in ("off", "on"):
-        overlap = CommComputeOverlap(timeout=TIMEOUT) if mode == "on" else None
-        indices = [c * PP + pp for c in range(CHUNKS)]
+    indices = shape.indices(pp)
+    for mode in modes or shape.modes():
+        trace: list[str] = []
+        overlap = None
+        if mode == "on":
+            overlap = CommComputeOverlap(timeout=TIMEOUT)
+            overlap.coordinator = HookCoordinator(TIMEOUT, trace=lambda event, side, role, _t=trace: _t.append(side))
         modules = [make_stage(framework, s, ep, group, overlap) for s in indices]
-        stages = [PipelineStage(m, s, STAGES, mesh=mesh) for m, s in zip(modules, indices, strict=True)]
-        schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=loss_fn(framework), overlap_b_f=mode == "on",
-                                           comm_compute_overlap=overlap)
+        stages = [PipelineStage(m, s, shape.stages, mesh=mesh) for m, s in zip(modules, indices, strict=True)]
+        schedule = shape.schedule(stages, mode, overlap, loss_fn(framework))
         losses = schedule.run(p.from_numpy(x), target=p.from_numpy(y) if stages[-1].is_last else None)
         out[mode] = {"losses": [float(to_numpy(framework, v)) for v in losses],
                      "grads": {f"{s}.{n}": to_numpy(framework, g) for s, st in zip(indices, stages, strict=True)
                                for n, g in st.named_gradients().items()},
                      "pairs": sum(step is not None and step.meta_type.name == "OVERLAP_B_F"
-                                  for step in schedule.exec_order[schedule.pp_rank])}
-    out["oracle"] = oracle(framework, p, group, ep, pp, x, y)
+                                  for step in schedule.exec_order[schedule.pp_rank]),
+                     "sides": sorted(set(trace))}
+    out["oracle"] = oracle(framework, p, group, ep, pp, x, y, shape)
     return out
 
 
-def oracle(framework, p, group, ep, pp, x, y):
-    """The four stages chained on this rank (its ep line runs the same all-to-alls), one backward per
-    micro-batch of loss / MICRO with the framework's public autograd (torch) or the eager engine through the platform (MindSpore), gradients summed."""
-    modules = [make_stage(framework, s, ep, group, None) for s in range(STAGES)]
-    mine = [c * PP + pp for c in range(CHUNKS)]
+def oracle(framework, p, group, ep, pp, x, y, shape=DEFAULT):
+    """All the stages chained on this rank (its ep line runs the same all-to-alls), one backward per
+    micro-batch of loss / m with the framework's public autograd (torch) or the eager engine through
+    the platform (MindSpore), gradients summed."""
+    modules = [make_stage(framework, s, ep, group, None) for s in range(shape.stages)]
+    mine = shape.indices(pp)
     named = [(f"{s}.{n}", q) for s in mine for n, q in (
         modules[s].named_parameters() if framework == "torch" else modules[s].parameters_and_names())]
     params = [q for m in modules for q in (m.parameters() if framework == "torch" else m.trainable_params())]
@@ -153,9 +196,9 @@ def oracle(framework, p, group, ep, pp, x, y):
         out = xs
         for module in modules:
             out = module(out)
-        return mse(out, ys) / MICRO
+        return mse(out, ys) / shape.micro
 
-    for i in range(MICRO):
+    for i in range(shape.micro):
         xs, ys = p.from_numpy(x[i * ROWS:(i + 1) * ROWS]), p.from_numpy(y[i * ROWS:(i + 1) * ROWS])
         if framework == "torch":
             import torch
@@ -168,7 +211,7 @@ def oracle(framework, p, group, ep, pp, x, y):
             loss = record.outputs[0]
             p.stage_backward(record, [p.ones_like(loss)])
             grads = None
-        losses.append(float(to_numpy(framework, loss)) * MICRO)
+        losses.append(float(to_numpy(framework, loss)) * shape.micro)
         if grads is None:
             continue
         by_id = {id(q): g for q, g in zip(params, grads, strict=True)}
@@ -179,24 +222,64 @@ def oracle(framework, p, group, ep, pp, x, y):
     return {"losses": losses, "grads": total}
 
 
-@pytest.mark.parametrize("framework", ["torch", "mindspore"])
-def test_overlap_b_f_bitwise_and_oracle_local(framework):
-    if framework == "mindspore":
-        pytest.importorskip("mindspore")
-    results = LocalCluster(PP * EP, framework, timeout=TIMEOUT).run(rank_body, framework)
+def check_results(results, framework, shape=DEFAULT, modes=None):
+    """Every mode bitwise equal to "off" (losses and gradients), "off" equal to the oracle; returns
+    the OVERLAP_B_F steps of each pipeline rank under the last mode."""
+    modes = modes or shape.modes()
     for rank, res in enumerate(results):
-        assert res["on"]["pairs"] == 2, rank  # p=2, v=2, m=4: two OVERLAP_B_F steps per pipeline rank
-        assert res["on"]["losses"] == res["off"]["losses"], rank
-        assert sorted(res["on"]["grads"]) == sorted(res["off"]["grads"]) == sorted(res["oracle"]["grads"])
-        for name, grad in res["off"]["grads"].items():
-            assert np.array_equal(res["on"]["grads"][name], grad), (rank, name)
+        assert sorted(res["off"]["grads"]) == sorted(res["oracle"]["grads"]) and res["off"]["grads"], rank
+        for mode in modes[1:]:
+            assert res[mode]["losses"] == res["off"]["losses"], (rank, mode)
+            assert sorted(res[mode]["grads"]) == sorted(res["off"]["grads"]), (rank, mode)
+            for name, grad in res["off"]["grads"].items():
+                assert np.array_equal(res[mode]["grads"][name], grad), (rank, mode, name)
+        if "on" in modes:  # the pairs ran on the coordinator, both sides taking turns at the wrapped all-to-alls
+            assert res["on"]["sides"] == (["backward", "forward"] if res["on"]["pairs"] else []), rank
         if res["off"]["losses"]:
+            assert len(res["off"]["losses"]) == shape.micro
             np.testing.assert_allclose(res["off"]["losses"], res["oracle"]["losses"], **TOL[framework])
         for name, want in res["oracle"]["grads"].items():
             scale = max(1.0, float(np.abs(want).max()))
             np.testing.assert_allclose(res["off"]["grads"][name], want, rtol=TOL[framework]["rtol"],
                                        atol=TOL[framework]["atol"] * scale, err_msg=f"rank {rank} {name}")
-    assert sum(bool(res["off"]["losses"]) for res in results) == 2  # the last stage's ranks, one per ep rank
+    assert sum(bool(res["off"]["losses"]) for res in results) == EP  # the last stage's ranks, one per ep rank
+    return [res[modes[-1]]["pairs"] for res in results[::EP]]
+
+
+@pytest.mark.parametrize("framework, shape, pairs", [
+    pytest.param("torch", DEFAULT, [2, 2], id="torch"),
+    pytest.param("mindspore", DEFAULT, [2, 2], id="mindspore"),  # p=2, v=2, m=4: two pairs per rank
+    pytest.param("mindspore", Shape(ScheduleDualPipeV, 2, 2, 4), [3, 3], id="mindspore-dualpipev-m4"),
+])
+def test_overlap_b_f_bitwise_and_oracle_local(framework, shape, pairs):
+    modes = None
+    if framework == "mindspore":
+        pytest.importorskip("mindspore")
+        modes = ("off", "on")  # PyNative is slow: the pairs run in sequence only on torch
+    results = LocalCluster(shape.pp * EP, framework, timeout=TIMEOUT).run(rank_body, framework, shape, modes)
+    assert check_results(results, framework, shape, modes) == pairs
+
+
+def _matrix():
+    for pp in (2, 3, 4):
+        for chunks in (2, 3):
+            for micro in (pp, 2 * pp, 2 * pp + 1):
+                yield pytest.param(Shape(ScheduleInterleaved1F1B, pp, chunks, micro),
+                                   id=f"interleaved-p{pp}-v{chunks}-m{micro}")
+    for pp, micro in ((2, 4), (2, 5), (2, 8), (3, 6), (3, 7), (4, 8), (4, 9)):
+        yield pytest.param(Shape(ScheduleDualPipeV, pp, 2, micro), id=f"dualpipev-p{pp}-m{micro}")
+
+
+@pytest.mark.parametrize("shape", list(_matrix()))
+def test_overlap_b_f_matrix_torch(shape):
+    """pp x ep=2 on LocalCluster for ScheduleInterleaved1F1B at p in {2, 3, 4}, v in {2, 3}, m in
+    {p, 2p, 2p+1} and ScheduleDualPipeV at several m: overlap pairs on a CommComputeOverlap (and,
+    for interleaved, run in sequence) bitwise equal to no overlap, and equal to the oracle."""
+    results = LocalCluster(shape.pp * EP, "torch", timeout=TIMEOUT).run(rank_body, "torch", shape)
+    pairs = check_results(results, "torch", shape)
+    # interleaved 1F1B at m = p runs all forwards in its warm-up: nothing to pair (and a
+    # comm_compute_overlap is refused, test_pp_comm_compute_overlap.py)
+    assert pairs == [0] * shape.pp if "on" not in shape.modes() else all(pairs), pairs
 
 
 # ---------------------------------------------------------------- recompute and swap inside real pairs

@@ -11,7 +11,7 @@ from conftest import load_rank_results, run_torchrun
 from mlp_harness import check
 from zero_bubble_gloo_worker import CASES, P
 
-from hyper_parallel import ScheduleDualPipeV
+from hyper_parallel import ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.timeout(240)
@@ -24,6 +24,15 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     loaded = load_rank_results(out, P)
     assert [(d["rank"], d["world"]) for d in loaded] == [(r, P) for r in range(P)]
     return loaded
+
+
+def test_cases_cover_the_minimum_2p_2p_plus_1_and_every_option():
+    """Each schedule meets m at its minimum, 2p and 2p+1, and both transports with overlap_p2p on and off."""
+    for cls in (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV):
+        jobs = [job for job in CASES.values() if job.schedule_cls is cls]
+        assert {job.micro for job in jobs} == {cls.min_microbatches(P, 2), 2 * P, 2 * P + 1}, cls.__name__
+        options = {(job.options["p2p_transport"], job.options.get("overlap_p2p", False)) for job in jobs}
+        assert options == {(t, o) for t in ("plain", "batch") for o in (False, True)}, cls.__name__
 
 
 @pytest.mark.parametrize("name", list(CASES))

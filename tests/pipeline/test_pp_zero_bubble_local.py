@@ -5,17 +5,30 @@ p in {2, 3, 4} and m at the schedule's minimum, 2p and 2p+1, cycling through tra
 dyn_shape x overlap_p2p so that each schedule and p meets six of the eight and every schedule
 all eight; the peak activations measured by the runtime are checked against the schedule's
 bound. Tied first/last weights (one rank holds both stages under V placement) and shapes that
-change per micro-batch run once per schedule. MindSpore (small GPT, ``pp_harness``): each
-schedule on 2 ranks. Argument errors are raised before any communication.
+change per micro-batch run once per schedule. MindSpore (small GPT, ``pp_harness``, lean: PyNative
+is slow): each schedule on 2 ranks for m at its minimum, 2p and 2p+1 and once on 3 ranks, meeting
+both transports and overlap_p2p on and off; every micro-batch's loss and every gradient. Argument
+errors are raised before any communication.
 """
 
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 from mlp_harness import MatrixJob, check, run_matrix_job
-from pp_harness import SCHEDULES, Job, batch, check_against_oracle, full_model_oracle, merged, run_job, small_config
+from pp_harness import (
+    SCHEDULES,
+    Job,
+    batch,
+    check_against_oracle,
+    full_model_oracle,
+    merged,
+    models,
+    run_job,
+    small_config,
+)
 
 from hyper_parallel import (
     PipelineStage,
@@ -84,33 +97,65 @@ def test_shapes_that_change_per_micro_batch(cls, v):
 
 
 # ---------------------------------------------------------------- MindSpore, lean
-MS_CASES = [  # two transformer blocks over the stages keep MindSpore's per-op cost small
-    pytest.param("zb-h1", 3, dict(p2p_transport="plain"), id="zb-h1-m3-plain"),
-    pytest.param("zbv", 4, dict(p2p_transport="batch", overlap_p2p=True), id="zbv-m4-batch-overlap"),
-    pytest.param("dualpipev", 4, dict(p2p_transport="plain", overlap_p2p=True), id="dualpipev-m4-plain-overlap"),
+MS_NAMES = {"zb-h1": (ScheduleInterleavedZeroBubble, 1), "zbv": (ScheduleZBVZeroBubble, 2),
+            "dualpipev": (ScheduleDualPipeV, 2)}
+MS_CASES = [  # (name, p, m, transport, overlap_p2p): every schedule at p=2 for m at its minimum, 2p and 2p+1
+    # and once at p=3, each schedule meeting both transports and overlap_p2p on and off (not the full
+    # cross: PyNative is slow); two transformer blocks over the stages keep MindSpore's per-op cost small
+    ("zb-h1", 2, 1, "plain", False), ("zb-h1", 2, 4, "batch", True), ("zb-h1", 2, 5, "plain", True),
+    ("zb-h1", 3, 3, "batch", False),
+    ("zbv", 2, 1, "batch", True), ("zbv", 2, 4, "plain", False), ("zbv", 2, 5, "batch", False),
+    ("zbv", 3, 1, "plain", True),
+    ("dualpipev", 2, 4, "plain", False), ("dualpipev", 2, 5, "batch", True), ("dualpipev", 3, 6, "plain", True),
 ]
+
+
+def test_mindspore_cases_cover_every_m_and_option():
+    for name, (cls, v) in MS_NAMES.items():
+        cases = [c for c in MS_CASES if c[0] == name]
+        assert {m for _, p, m, _, _ in cases if p == 2} == {cls.min_microbatches(2, v), 4, 5}, name
+        assert any(p == 3 for _, p, _, _, _ in cases), name
+        assert {t for *_, t, _ in cases} == {"plain", "batch"} and {o for *_, o in cases} == {False, True}, name
 
 
 @pytest.fixture
 def zero_bubble_names():
-    added = {"zb-h1": (ScheduleInterleavedZeroBubble, 1), "zbv": (ScheduleZBVZeroBubble, 2),
-             "dualpipev": (ScheduleDualPipeV, 2)}
-    SCHEDULES.update(added)
+    SCHEDULES.update(MS_NAMES)
     yield
-    for name in added:
+    for name in MS_NAMES:
         del SCHEDULES[name]
 
 
-@pytest.mark.parametrize("name, m, options", MS_CASES)
-def test_mindspore_matches_non_pipelined(zero_bubble_names, name, m, options):
+def _mindspore_micro_losses(config, tokens, targets, m):
+    """Each micro-batch's loss of the non-pipelined model: one forward on the whole batch, the
+    cross entropy of each micro-batch's rows in numpy."""
+    import mindspore as ms
+
+    from hyper_parallel.demo.gpt import init_gpt_weights
+
+    logits = models("mindspore").GPTFull(config, init_gpt_weights(config, 0))(ms.Tensor(tokens)).asnumpy()
+    logits = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp, targets[..., None], -1)[..., 0]  # (batch, seq)
+    return [-float(rows.mean()) for rows in np.split(picked, m)]
+
+
+@pytest.mark.parametrize("name, p, m, transport, overlap", [
+    pytest.param(*c, id=f"{c[0]}-p{c[1]}-m{c[2]}-{c[3]}{'-overlap' if c[4] else ''}") for c in MS_CASES])
+def test_mindspore_matches_non_pipelined(zero_bubble_names, name, p, m, transport, overlap):
+    """Every micro-batch's loss and every gradient against the non-pipelined model."""
     config = small_config(n_layers=2)
     tokens, targets = batch(config, 2 * m)
-    results = LocalCluster(2, platform="mindspore").run(run_job, Job(name, m, config, tokens, targets,
-                                                                     options=options))
+    job = Job(name, m, config, tokens, targets, options=dict(p2p_transport=transport, overlap_p2p=overlap))
+    results = LocalCluster(p, platform="mindspore").run(run_job, job)
     losses, grads = merged(results)
-    assert len(losses) == 1 and len(losses[0]) == m
+    assert len(losses) == 1
+    np.testing.assert_allclose(losses[0], _mindspore_micro_losses(config, tokens, targets, m), rtol=1e-5, atol=1e-6,
+                               err_msg="per-micro-batch losses")
     ref_loss, ref_grads = full_model_oracle("mindspore", config, tokens, targets)
     check_against_oracle("mindspore", losses[0], grads, ref_loss, ref_grads)
+    cls, v = MS_NAMES[name]
+    assert max(r["peak"] for r in results) <= peak_bound(cls, v, p, m)
 
 
 # ---------------------------------------------------------------- argument errors

@@ -20,15 +20,23 @@ from hyper_parallel.platform import get_platform
 from gloo_exit import run_and_leave, write_rank_result
 
 P = 4
-CASES = {  # name -> job; m at the minimum, 2p and 2p+1 across the schedules, both transports
+CASES = {  # name -> job; every schedule at m = its minimum, 2p and 2p+1, overlap_p2p on and off, both transports
+    "zb-h1-v1-m1-batch": MatrixJob(ScheduleInterleavedZeroBubble, 1, 1, dict(p2p_transport="batch")),
+    "zb-h1-v2-m1-plain-overlap": MatrixJob(ScheduleInterleavedZeroBubble, 2, 1,
+                                           dict(p2p_transport="plain", overlap_p2p=True)),
     "zb-h1-v1-m9-plain": MatrixJob(ScheduleInterleavedZeroBubble, 1, 9, dict(p2p_transport="plain")),
     "zb-h1-v2-m8-batch-overlap": MatrixJob(ScheduleInterleavedZeroBubble, 2, 8,
                                            dict(p2p_transport="batch", overlap_p2p=True)),
     "zbv-m1-batch": MatrixJob(ScheduleZBVZeroBubble, 2, 1, dict(p2p_transport="batch")),
+    "zbv-m8-batch-overlap": MatrixJob(ScheduleZBVZeroBubble, 2, 8, dict(p2p_transport="batch", overlap_p2p=True)),
+    "zbv-m8-plain": MatrixJob(ScheduleZBVZeroBubble, 2, 8, dict(p2p_transport="plain")),
     "zbv-m9-plain-overlap-dyn": MatrixJob(ScheduleZBVZeroBubble, 2, 9, dict(p2p_transport="plain", overlap_p2p=True),
                                           dyn_shape=True),
     "dualpipev-m8-plain": MatrixJob(ScheduleDualPipeV, 2, 8, dict(p2p_transport="plain")),
+    "dualpipev-m8-batch-overlap": MatrixJob(ScheduleDualPipeV, 2, 8, dict(p2p_transport="batch", overlap_p2p=True)),
     "dualpipev-m9-batch-overlap": MatrixJob(ScheduleDualPipeV, 2, 9, dict(p2p_transport="batch", overlap_p2p=True)),
+    "dualpipev-m9-plain-overlap": MatrixJob(ScheduleDualPipeV, 2, 9, dict(p2p_transport="plain", overlap_p2p=True)),
+    "dualpipev-m8-batch": MatrixJob(ScheduleDualPipeV, 2, 8, dict(p2p_transport="batch")),
 }
 
 

@@ -161,10 +161,14 @@ class PipelineSchedule:
         if comm_compute_overlap is not None:  # the built-in OVERLAP_B_F handler
             if not any(st is not None and st.meta_type.is_overlap for steps in self.compute_schedule.values()
                        for st in steps):
+                hint = "use ScheduleDualPipeV or ScheduleInterleaved1F1B(overlap_b_f=True)"
+                if self.overlap_b_f:  # it pairs, only not at this m
+                    least = self.min_overlap_microbatches(self.num_ranks)
+                    hint = (f"with overlap_b_f=True it makes its first pair at {least} micro-batches: run at least "
+                            f"{least} or drop comm_compute_overlap")
                 raise ValueError(
                     f"comm_compute_overlap runs overlapped (backward, forward) pairs, but this "
-                    f"{type(self).__name__} (p={self.num_ranks}, m={micro_batch_num}) has none: use "
-                    "ScheduleDualPipeV or ScheduleInterleaved1F1B(overlap_b_f=True)"
+                    f"{type(self).__name__} (p={self.num_ranks}, m={micro_batch_num}) has none: {hint}"
                 )
             from hyper_parallel.core.pipeline_parallel.overlap_step import enable_comm_compute_overlap
 
@@ -590,6 +594,12 @@ class ScheduleInterleaved1F1B(PipelineSchedule):
             )
         self.overlap_b_f = overlap_b_f
         super().__init__(stages, micro_batch_num, **common)
+
+    @classmethod
+    def min_overlap_microbatches(cls, num_ranks: int) -> int:
+        """The fewest micro-batches with which ``overlap_b_f=True`` makes an ``OVERLAP_B_F`` pair, for
+        any number of chunks: with m <= p every forward of a rank runs in its warm-up."""
+        return num_ranks + 1
 
     def _compute_schedule(self) -> Schedule:
         compute = super()._compute_schedule()
