@@ -314,6 +314,45 @@ def test_swap_is_checked_again_when_a_run_starts() -> None:
         refused
 
 
+def _built_then_graph_mode_eval(job: ActJob, with_loss: bool) -> str:
+    """Build ``job``'s schedule (wrapped blocks) in PyNative, switch to GRAPH_MODE, eval() it."""
+    from activation_harness import build_stage_module
+    from pp_harness import SCHEDULES, models
+
+    from hyper_parallel import PipelineStage
+    from hyper_parallel.demo.gpt import init_gpt_weights
+    from hyper_parallel.platform import get_platform
+
+    p = get_platform()
+    mod = models("mindspore")
+    stage = PipelineStage(build_stage_module(mod, job, p.rank, P, init_gpt_weights(job.config, 0)), p.rank, P)
+    schedule = SCHEDULES[job.schedule][0](stage, job.micro, loss_fn=mod.cross_entropy_loss)
+    p.barrier()
+    if p.rank == 0:
+        ms.set_context(mode=ms.GRAPH_MODE)
+    p.barrier()
+    target = p.from_numpy(job.targets) if stage.is_last and with_loss else None
+    try:
+        schedule.eval(p.from_numpy(job.tokens) if stage.is_first else None, target=target)
+    except ValueError as exc:
+        return str(exc)
+    return "ran"
+
+
+@pytest.mark.parametrize("with_loss", [False, True])
+def test_wrappers_are_checked_again_when_an_eval_starts(with_loss: bool) -> None:
+    """eval() runs no run hooks: without its own check a wrapped block failed to compile at the first
+    forward ("Parse Resolve convert failed", the other rank then deadlocked)."""
+    try:
+        refused = LocalCluster(P, platform="mindspore").run(_built_then_graph_mode_eval, _act_job("gpipe", "selective"),
+                                                            with_loss)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    for rank, message in enumerate(refused):
+        assert f"stage {rank} holds modules wrapped by swap_wrapper/checkpoint_wrapper" in message, message
+        assert "context GRAPH_MODE" in message and EAGER_HINT in message, message
+
+
 # ---------------------------------------------------------------------- the remedy the errors name
 def test_graph_mode_with_eager_stages_runs_wrappers_and_swap(monkeypatch: pytest.MonkeyPatch) -> None:
     """GRAPH_MODE with HYPER_PARALLEL_MS_COMPILE=eager: swapped and checkpointed blocks and schedule

@@ -10,7 +10,7 @@ Two activation features cannot work there (measured on MindSpore 2.10, ``docs/mi
   (saved-tensor hooks, a re-run in backward) that a graph cannot hold. Inside a compiled stage
   MindSpore fails to compile it at the first forward ("Parse Resolve convert failed").
 
-So a schedule refuses them at construction (and again when a run starts: the
+So a schedule refuses them at construction (and again when a run or an ``eval`` starts: the
 context may have been switched to ``GRAPH_MODE`` since) with a ``ValueError`` that says what and
 why. Platforms that never compile stages (torch) pass every check. Where only a construct the user
 decorated with ``@ms.jit`` is compiled, a wrapper is refused only on that Cell or inside it, and
