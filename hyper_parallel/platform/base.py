@@ -413,6 +413,12 @@ class Platform(ABC):
         module), also why that module is compiled by itself (e.g. a construct the user compiled)."""
         return None
 
+    def user_compiled_modules(self, module: Any) -> list[str]:
+        """Dotted names (``""`` for ``module`` itself) of the modules in ``module`` whose forward the
+        user compiled into a graph (MindSpore: a ``construct`` decorated with ``@ms.jit``), also when
+        an activation wrapper replaced that forward since; ``[]`` on platforms without such graphs."""
+        return []
+
     def run_helper_threads(self, targets: Sequence[Callable[[], None]]) -> None:
         """Run every target on a thread of its own that acts for this rank; return when all ended.
 

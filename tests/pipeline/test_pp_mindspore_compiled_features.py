@@ -16,6 +16,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from activation_harness import ActJob, run_act_job
 from mpipe_harness import Case, check, run_case
@@ -147,9 +148,114 @@ def test_activation_wrappers_are_refused_with_compiled_stages(setting: str, poli
 def test_user_jit_stage_cells_refuse_swap_in_pynative() -> None:
     """The platform does not compile (PyNative, auto), but the user's @ms.jit stage Cell is compiled."""
     refused = _run("pynative", _build_or_refuse, _act_job("1f1b", "plain", SWAP), True)
-    assert all("swap=True needs stages that run op by op, but JitStage (or a Cell inside it) has a construct "
-               "compiled with @ms.jit" in m for m in refused), refused
+    assert all("swap=True needs stages that run op by op, but JitStage has a construct compiled with @ms.jit" in m
+               and "HYPER_PARALLEL_MS_COMPILE=eager does not help" in m for m in refused), refused
     assert _run("pynative", _build_or_refuse, _act_job("1f1b", "swap")) == ["built", "built"]  # op by op: fine
+
+
+# ------------------------------------------------------- the user's @ms.jit: only that Cell is compiled
+W = 4
+
+
+@functools.cache
+def _mixed_classes() -> tuple[Any, Any]:
+    """``Mixed``: a stage Cell whose ``j`` is an @ms.jit Cell and whose ``plain`` runs op by op."""
+    from mindspore import nn, ops
+
+    class Block(nn.Cell):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            rng = np.random.default_rng(seed)
+            self.w = ms.Parameter(ms.Tensor((rng.standard_normal((W, W)) * 0.5).astype(np.float32)), name=f"w{seed}")
+
+        def construct(self, x: Any) -> Any:
+            return ops.tanh(ops.matmul(x, self.w))
+
+    class Mixed(nn.Cell):
+        def __init__(self, rank: int) -> None:
+            super().__init__()
+            self.j = _jit_stage_class()(Block(rank))
+            self.plain = Block(rank + 10)
+
+        def construct(self, x: Any) -> Any:
+            return self.plain(self.j(x))
+
+    return Block, Mixed
+
+
+def _mse(out: Any, target: Any) -> Any:
+    return ((out - target) ** 2).mean()
+
+
+def _xy() -> tuple[Any, Any]:
+    x = np.linspace(-1, 1, 8 * W).reshape(8, W).astype(np.float32)
+    return ms.Tensor(x), ms.Tensor(np.flip(x, 0).copy())
+
+
+def _mixed_run(wrap: str, options: dict[str, Any]) -> Any:
+    """One 1F1B run of two ``Mixed`` stages, ``wrap`` ("", "plain", "j", "stage") wrapped by
+    checkpoint_wrapper: losses, gradients and swapped bytes, or the ValueError's message."""
+    from hyper_parallel import PipelineStage, Schedule1F1B
+    from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
+    from hyper_parallel.platform import get_platform
+
+    p = get_platform()
+    stage = _mixed_classes()[1](p.rank)
+    if wrap:
+        checkpoint_wrapper(stage if wrap == "stage" else getattr(stage, wrap))
+    try:
+        schedule = Schedule1F1B(PipelineStage(stage, p.rank, P), 4, loss_fn=_mse, **options)
+    except ValueError as exc:
+        return str(exc)
+    x, y = _xy()
+    losses = schedule.run(x if p.rank == 0 else None, target=y if p.rank == 1 else None)
+    swapped = schedule.swap_hook.last.swapped_bytes if options.get("swap") else None
+    return [float(v.asnumpy()) for v in losses], [p.get_grad(q).asnumpy() for q in stage.trainable_params()], swapped
+
+
+def _mixed_oracle() -> tuple[float, list[list[np.ndarray]]]:
+    """The loss and, per rank, the gradients of its stage's parameters, without a pipeline."""
+    from mindspore import nn
+
+    mixed = _mixed_classes()[1]
+    net = nn.SequentialCell([mixed(0), mixed(1)])
+    params = net.trainable_params()
+    x, y = _xy()
+    loss, grads = ms.value_and_grad(lambda a, b: _mse(net(a), b), None, params)(x, y)
+    per_rank = len(params) // P
+    return float(loss.asnumpy()), [[g.asnumpy() for g in grads[r * per_rank:(r + 1) * per_rank]] for r in range(P)]
+
+
+@pytest.mark.parametrize(("wrap", "options"), [("plain", {}), ("stage", {}), ("", SWAP)])
+def test_user_jit_cell_leaves_the_rest_of_the_stage_to_wrappers_and_swap(wrap: str, options: dict[str, Any]) -> None:
+    """PyNative: MindSpore compiles only ``j``. A wrapper on a Cell outside it, or around the stage
+    Cell holding it, runs op by op; swap swaps what runs op by op. Exact against the non-pipelined model."""
+    results = _run("pynative", _mixed_run, wrap, options)
+    ref_loss, ref_grads = _mixed_oracle()
+    assert all(not isinstance(r, str) for r in results), results
+    np.testing.assert_allclose(np.mean(results[1][0]), ref_loss, rtol=1e-6)
+    for rank, (_, grads, _) in enumerate(results):
+        assert len(grads) == len(ref_grads[rank]) == 2
+        for grad, ref in zip(grads, ref_grads[rank]):
+            np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-6)
+    if options:
+        assert results[0][2] > 0, results  # rank 0 keeps micro-batches in flight: swapped
+
+
+@pytest.mark.parametrize("compile_mode", ["auto", "eager"])
+def test_a_wrapped_user_jit_cell_is_refused_without_pointing_to_eager(compile_mode: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrapper replaced the @ms.jit construct of ``j`` (it would fail to compile at the first
+    forward, measured); ``HYPER_PARALLEL_MS_COMPILE=eager`` cannot help a construct the user compiled."""
+    monkeypatch.setenv("HYPER_PARALLEL_MS_COMPILE", compile_mode)
+    refused = _run("pynative", _mixed_run, "j", {})
+    for rank, message in enumerate(refused):
+        assert isinstance(message, str), message
+        assert message.startswith(f"Schedule1F1B: stage {rank} holds modules wrapped by swap_wrapper/"
+                                  "checkpoint_wrapper: j (checkpoint_wrapper)"), message
+        assert "but j has a construct compiled with @ms.jit" in message, message
+        assert "HYPER_PARALLEL_MS_COMPILE=eager does not help" in message, message
+        assert "Set HYPER_PARALLEL_MS_COMPILE=eager" not in message, message
 
 
 def _mpipe_wrapped_preprocess() -> str:
@@ -206,6 +312,45 @@ def test_swap_is_checked_again_when_a_run_starts() -> None:
         ms.set_context(mode=ms.PYNATIVE_MODE)
     assert all("swap=True needs stages that run op by op" in m and "context GRAPH_MODE" in m for m in refused), \
         refused
+
+
+def _built_then_graph_mode_eval(job: ActJob, with_loss: bool) -> str:
+    """Build ``job``'s schedule (wrapped blocks) in PyNative, switch to GRAPH_MODE, eval() it."""
+    from activation_harness import build_stage_module
+    from pp_harness import SCHEDULES, models
+
+    from hyper_parallel import PipelineStage
+    from hyper_parallel.demo.gpt import init_gpt_weights
+    from hyper_parallel.platform import get_platform
+
+    p = get_platform()
+    mod = models("mindspore")
+    stage = PipelineStage(build_stage_module(mod, job, p.rank, P, init_gpt_weights(job.config, 0)), p.rank, P)
+    schedule = SCHEDULES[job.schedule][0](stage, job.micro, loss_fn=mod.cross_entropy_loss)
+    p.barrier()
+    if p.rank == 0:
+        ms.set_context(mode=ms.GRAPH_MODE)
+    p.barrier()
+    target = p.from_numpy(job.targets) if stage.is_last and with_loss else None
+    try:
+        schedule.eval(p.from_numpy(job.tokens) if stage.is_first else None, target=target)
+    except ValueError as exc:
+        return str(exc)
+    return "ran"
+
+
+@pytest.mark.parametrize("with_loss", [False, True])
+def test_wrappers_are_checked_again_when_an_eval_starts(with_loss: bool) -> None:
+    """eval() runs no run hooks: without its own check a wrapped block failed to compile at the first
+    forward ("Parse Resolve convert failed", the other rank then deadlocked)."""
+    try:
+        refused = LocalCluster(P, platform="mindspore").run(_built_then_graph_mode_eval, _act_job("gpipe", "selective"),
+                                                            with_loss)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    for rank, message in enumerate(refused):
+        assert f"stage {rank} holds modules wrapped by swap_wrapper/checkpoint_wrapper" in message, message
+        assert "context GRAPH_MODE" in message and EAGER_HINT in message, message
 
 
 # ---------------------------------------------------------------------- the remedy the errors name

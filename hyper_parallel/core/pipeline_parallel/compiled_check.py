@@ -10,9 +10,11 @@ Two activation features cannot work there (measured on MindSpore 2.10, ``docs/mi
   (saved-tensor hooks, a re-run in backward) that a graph cannot hold. Inside a compiled stage
   MindSpore fails to compile it at the first forward ("Parse Resolve convert failed").
 
-So a schedule refuses them at construction (and again when a run starts: the context may have
-been switched to ``GRAPH_MODE`` since) with a ``ValueError`` that says what and why. Platforms
-that never compile stages (torch) pass every check.
+So a schedule refuses them at construction (and again when a run or an ``eval`` starts: the
+context may have been switched to ``GRAPH_MODE`` since) with a ``ValueError`` that says what and
+why. Platforms that never compile stages (torch) pass every check. Where only a construct the user
+decorated with ``@ms.jit`` is compiled, a wrapper is refused only on that Cell or inside it, and
+``swap=True`` only when the stage Cell itself is compiled.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ if TYPE_CHECKING:
 
 _EAGER = ("Set HYPER_PARALLEL_MS_COMPILE=eager (or MindSporePlatform(compile='eager')) to run the stages op "
           "by op, also under GRAPH_MODE")
+_USER_JIT = ("HYPER_PARALLEL_MS_COMPILE=eager does not help here: MindSpore compiles a construct decorated with "
+             "@ms.jit whatever the platform does. Remove @ms.jit from the stage Cell's construct")
+_USER_JIT_WRAP = (_USER_JIT.replace("the stage Cell's construct", "those constructs") +
+                  ", or wrap Cells outside them (a wrapper around a Cell that holds an @ms.jit Cell runs op by op)")
 
 
 def _modules(schedule: PipelineSchedule) -> list[tuple[str, Any]]:
@@ -35,31 +41,54 @@ def _modules(schedule: PipelineSchedule) -> list[tuple[str, Any]]:
     return out
 
 
-def check_activation_features(schedule: PipelineSchedule) -> None:
-    """Raise ValueError when ``swap=True`` or an activation wrapper meets a compiled stage."""
+def _inside(name: str, compiled: list[str]) -> bool:
+    """Whether the module at dotted ``name`` is one of ``compiled`` or inside one of them."""
+    return any(c == "" or name == c or name.startswith(c + ".") for c in compiled)
+
+
+def _label(name: str, module: Any) -> str:
+    return name or type(module).__name__
+
+
+def check_activation_features(schedule: PipelineSchedule, forward_only: bool = False) -> None:
+    """Raise ValueError when ``swap=True`` or an activation wrapper meets a compiled stage.
+
+    ``forward_only`` (eval): only the wrappers matter, swap has nothing to do without a backward.
+    A construct the user compiled with ``@ms.jit`` (the platform itself compiling nothing) is
+    compiled alone: wrappers on Cells outside it, or around a Cell holding it, run op by op and
+    work; ``swap=True`` is refused only when the stage Cell itself is compiled (with a part of it
+    compiled, the rest is swapped).
+    """
     p = schedule.platform
     name = type(schedule).__name__
-    swap = getattr(schedule, "swap_hook", None) is not None
+    swap = not forward_only and getattr(schedule, "swap_hook", None) is not None
+    platform_why = p.compiled_stages()  # the platform compiles every stage: everything is refused
     for where, module in _modules(schedule):
-        why = p.compiled_stages(module)
-        if why is None:
+        compiled = [""] if platform_why is not None else p.user_compiled_modules(module)
+        if not compiled:
             continue
-        if swap:
+        if platform_why is not None:
+            why, remedy, wrap_remedy = platform_why, _EAGER, _EAGER
+        else:
+            jit = ", ".join(_label(c, module) for c in compiled[:4]) + (" and more" if len(compiled) > 4 else "")
+            why = f"{jit} {'has a construct' if len(compiled) == 1 else 'have constructs'} compiled with @ms.jit"
+            remedy, wrap_remedy = _USER_JIT, _USER_JIT_WRAP
+        if swap and "" in compiled:
             raise ValueError(
-                f"{name}: swap=True needs stages that run op by op, but {why}. A compiled stage keeps its "
+                f"{name}: swap=True needs stages that run op by op, but {p.compiled_stages(module)}. A compiled stage keeps its "
                 "activations inside the graph, where the saved-tensor hooks of swap never see them: nothing "
-                f"would be swapped. {_EAGER}, or drop swap=True"
+                f"would be swapped. {remedy}, or drop swap=True"
             )
-        wrapped = p.saved_tensors().wrapped_modules(module)
+        wrapped = [(n, kind) for n, kind in p.saved_tensors().wrapped_modules(module) if _inside(n, compiled)]
         if wrapped:
-            listed = ", ".join(f"{n or type(module).__name__} ({kind})" for n, kind in wrapped[:4])
+            listed = ", ".join(f"{_label(n, module)} ({kind})" for n, kind in wrapped[:4])
             more = f" and {len(wrapped) - 4} more" if len(wrapped) > 4 else ""
             raise ValueError(
                 f"{name}: {where} holds modules wrapped by swap_wrapper/checkpoint_wrapper: {listed}{more}. "
                 f"These wrappers need stages that run op by op, but {why}. They replace a module's forward "
                 "with Python code (saved-tensor hooks, a re-run in backward) that a compiled graph cannot "
                 "hold: wrapped inside a compiled stage, the compile fails at the first forward; the stage "
-                f"module itself wrapped would not be compiled at all. {_EAGER}, or remove the wrappers"
+                f"module itself wrapped would not be compiled at all. {wrap_remedy}, or remove the wrappers"
             )
 
 

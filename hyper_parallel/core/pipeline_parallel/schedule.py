@@ -514,6 +514,9 @@ class PipelineSchedule:
 
     def _forward(self, args: Sequence[Any], kwargs: Mapping[str, Any], target: Any, *, concat_dim: int,
                  want_outputs: bool, losses: list | None) -> Any:
+        from hyper_parallel.core.pipeline_parallel.compiled_check import check_activation_features
+
+        check_activation_features(self, forward_only=True)  # no run hooks here; the context may be GRAPH_MODE now
         micro_args, micro_kwargs, targets = self._split(args, kwargs, target)
         runtime = self._runtime(micro_args, micro_kwargs, targets, keep_outputs=want_outputs, forward_only=True)
         self._execute(runtime, self._lowered("all" if self.dyn_shape else "first", forward_only=True))

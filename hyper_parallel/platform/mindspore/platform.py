@@ -75,16 +75,20 @@ class MindSporePlatform(Platform):
         return self._autograd.compile_mode
 
     def compiled_stages(self, module: Any = None) -> str | None:
-        from hyper_parallel.platform.mindspore.autograd import uses_jit
         from hyper_parallel.platform.mindspore.compiled import COMPILE_ENV, user_mode
 
         mode = user_mode()
         if self._autograd.compiles(mode):
             return (f"the MindSpore platform compiles every stage with ms.jit ({COMPILE_ENV}={self.compile_mode}, "
                     f"context {'GRAPH_MODE' if mode == ms.GRAPH_MODE else 'PYNATIVE_MODE'})")
-        if isinstance(module, ms.nn.Cell) and uses_jit(module):
-            return f"{type(module).__name__} (or a Cell inside it) has a construct compiled with @ms.jit"
+        if module is not None and "" in self.user_compiled_modules(module):
+            return f"{type(module).__name__} has a construct compiled with @ms.jit"
         return None
+
+    def user_compiled_modules(self, module: Any) -> list[str]:
+        if not isinstance(module, ms.nn.Cell):
+            return []
+        return [name for name, cell in module.cells_and_names() if _jit_construct(cell)]
 
     def _default_communicator(self) -> Communicator:
         from hyper_parallel.platform.mindspore.comm import MindSporeCommunicator
@@ -399,3 +403,10 @@ def _seed_module() -> Any:
 @contextlib.contextmanager
 def _null_stream(stream: Any) -> Iterator[Any]:
     yield stream
+
+
+def _jit_construct(cell: Any) -> bool:
+    """Whether ``cell``'s construct is an ``@ms.jit`` function: the instance's, or the class's one
+    that an activation wrapper (which sets the instance's construct) still calls."""
+    return any(getattr(fn, "__wrapped_by_jit__", False)
+               for fn in (cell.construct, getattr(type(cell), "construct", None)))
