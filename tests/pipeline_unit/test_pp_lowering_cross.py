@@ -10,8 +10,7 @@ completes only when its receive is posted. Apart from the validator, the message
 directly: every cross-rank message is sent once and received once, in the same order on both
 ends of each (sender, receiver, channel), and the compute steps are the compute schedule's.
 p <= 3 is crossed with every m in test_pp_lowering_kills.py; every m up to 2p + 1 on 4 to 6 ranks
-costs minutes (the batch lowering of interleaved schedules with 2p + 1 micro-batches alone takes
-5 to 25 s per case, see ``too_slow``), hence the sampled m here.
+costs minutes, hence the sampled m here.
 """
 
 from __future__ import annotations
@@ -44,13 +43,6 @@ VARIANTS = [(cls, v) for cls in CLASSES for v in (1, 2, 3) if chunk_range(cls)[0
 def micro_counts(cls, p: int, v: int) -> list[int]:
     low = cls.min_microbatches(p, v)
     return sorted({m for m in (low, p + 1, 2 * p + 1) if m >= low})
-
-
-def too_slow(cls, p: int, v: int, m: int, transport: str) -> bool:
-    """The batch lowering of the interleaved schedules with several chunks, 5 or 6 ranks and 2p + 1
-    micro-batches takes 5 to 25 s per case (measured on the CI machine); p = 4 runs them."""
-    heavy = cls in (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble) and v >= 2
-    return heavy and transport == "batch" and p >= 5 and m == 2 * p + 1
 
 
 def messages(lowered, placement) -> dict[tuple[int, int, bool], tuple[list, list]]:
@@ -104,8 +96,6 @@ def test_every_builtin_lowering_runs_on_both_engine_models(cls, v, p):
     for m in micro_counts(cls, p, v):
         compute = cls.generate(p, v, m)
         for transport in ("plain", "batch"):
-            if too_slow(cls, p, v, m, transport):
-                continue
             for metadata in ("first", "all"):
                 for prefetch in (False, True):
                     what = f"{cls.__name__} p={p} v={v} m={m} {transport} metadata={metadata} prefetch={prefetch}"

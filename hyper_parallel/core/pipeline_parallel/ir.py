@@ -17,6 +17,7 @@ reads and writes it as CSV.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
 
@@ -32,7 +33,8 @@ for micro-batch ``i``; ``("G", s, i)`` is the gradient of the input of stage ``s
 
 
 class MetaStepType(enum.Enum):
-    """Kind of a schedule step; the value is the short code used in text."""
+    """Kind of a schedule step; the value is the short code used in text. Its flags (``is_comm``...)
+    are computed once per member: lowering reads them millions of times for a large schedule."""
 
     FWD = "F"
     BWD = "B"
@@ -68,37 +70,37 @@ class MetaStepType(enum.Enum):
         """Short code used in the text form."""
         return self.value
 
-    @property
+    @functools.cached_property
     def is_compute(self) -> bool:
         """True for F, B, I, W and the OVERLAP composites."""
         return self in _COMPUTE
 
-    @property
+    @functools.cached_property
     def is_comm(self) -> bool:
         """True for the four point-to-point steps and BATCH."""
         return self in _COMM
 
-    @property
+    @functools.cached_property
     def is_overlap(self) -> bool:
         """True for OVERLAP_B_F and OVERLAP_F_B."""
         return self in (MetaStepType.OVERLAP_B_F, MetaStepType.OVERLAP_F_B)
 
-    @property
+    @functools.cached_property
     def is_send(self) -> bool:
         """True for FWD_SEND, BWD_SEND and META_SEND."""
         return self in (MetaStepType.FWD_SEND, MetaStepType.BWD_SEND, MetaStepType.META_SEND)
 
-    @property
+    @functools.cached_property
     def is_recv(self) -> bool:
         """True for FWD_RECV, BWD_RECV and META_RECV."""
         return self in (MetaStepType.FWD_RECV, MetaStepType.BWD_RECV, MetaStepType.META_RECV)
 
-    @property
+    @functools.cached_property
     def is_meta(self) -> bool:
         """True for META_SEND and META_RECV (the shapes of a forward output, sent ahead of it)."""
         return self in (MetaStepType.META_SEND, MetaStepType.META_RECV)
 
-    @property
+    @functools.cached_property
     def towards_next(self) -> bool:
         """Whether a send/recv step talks to the next stage (else to the previous one)."""
         return self in (MetaStepType.FWD_SEND, MetaStepType.META_SEND, MetaStepType.BWD_RECV)

@@ -94,12 +94,24 @@ class _Recv:
 
 
 @dataclass
+class _FifoPlan:
+    """A rank's receives by FIFO channel (peer, data or metadata), each in its sender's order, and
+    its data / metadata receives with the data message each belongs to."""
+
+    data_channels: list[list[_Recv]]
+    meta_channels: list[list[_Recv]]
+    data_recvs: list[tuple[DataKey, _Recv]]
+    meta_recvs: list[tuple[DataKey, _Recv]]
+
+
+@dataclass
 class _RankPlan:
     items: list[MetaStep]
     sends: dict[int, list[tuple[int, MetaStep]]] = field(default_factory=lambda: defaultdict(list))
     recvs: list[_Recv] = field(default_factory=list)
     sends_first: set[int] = field(default_factory=set)  # gaps whose data sends precede their RECV_METAs
     eager: bool = False  # sends never wait for their receive (the plain transport): always first
+    fifo: _FifoPlan | None = None  # set once by _number_fifo
 
 
 def lower(
@@ -119,6 +131,7 @@ def lower(
     for plan in plans.values():
         plan.eager = transport == "plain"
     _add_metadata(plans, metadata)
+    _number_fifo(plans)
     for plan in plans.values():
         for recv in plan.recvs:
             recv.wanted_gap = recv.natural_gap
@@ -247,19 +260,27 @@ def _uncross(plans: dict[int, _RankPlan], stage_to_rank: dict[int, int]) -> None
     backward receive before a forward one: forward inputs are the prefetches that pay); else a
     receive is posted earlier, in the group of the other message on its rank."""
     recvs = {(rank, recv.step): recv for rank, plan in plans.items() for recv in plan.recvs}
+    # each receive's peer and the very send step it matches (fixed: only the places move); steps are
+    # looked up by identity below, hashing a MetaStep millions of times being the cost of a sweep
+    send_steps = {(rank, send): send for rank, plan in plans.items() for sends in plan.sends.values()
+                  for _, send in sends}
+    matches = {(rank, id(recv.step)): (recv.peer, id(send_steps[(recv.peer, counterpart(recv.step))]))
+               for (rank, _), recv in recvs.items() if (recv.peer, counterpart(recv.step)) in send_steps}
+    cache: _GroupCache = {}  # valid within this call: only wanted gaps change here
     for _ in range(sum(len(plan.recvs) for plan in plans.values()) + 1):
-        where = _group_positions(_assemble_all(plans, _emit_batch))
+        where = _batch_group_positions(plans, cache)
         pairs: dict[tuple[int, int], list[tuple[tuple[int, int], tuple[int, int], MetaStep, MetaStep]]] = (
             defaultdict(list)
         )
-        for (rank, op), place in where.items():
-            if op.meta_type.is_recv:
-                peer = peer_rank(op, stage_to_rank)
-                other = counterpart(op)
+        for (rank, op_id), (place, op) in where.items():
+            match = matches.get((rank, op_id))
+            if match is not None:
+                peer, other_id = match
+                other_place, other = where[(peer, other_id)]
                 if rank < peer:
-                    pairs[(rank, peer)].append((place, where[(peer, other)], op, other))
+                    pairs[(rank, peer)].append((place, other_place, op, other))
                 else:
-                    pairs[(peer, rank)].append((where[(peer, other)], place, other, op))
+                    pairs[(peer, rank)].append((other_place, place, other, op))
         changed = False
         for (low, high), entries in pairs.items():  # every crossing found in one sweep is fixed in this pass
             entries.sort(key=lambda e: (e[0][0], e[1][0]))
@@ -276,17 +297,36 @@ def _uncross(plans: dict[int, _RankPlan], stage_to_rank: dict[int, int]) -> None
             return
 
 
-def _group_positions(lowered: dict[int, list[MetaStep]]) -> dict[tuple[int, MetaStep], tuple[int, int]]:
-    """(rank, data operation) -> (index of its group among the rank's groups, its gap)."""
-    where: dict[tuple[int, MetaStep], tuple[int, int]] = {}
-    for rank, steps in lowered.items():
-        group = gap = 0
-        for step in steps:
-            if not step.meta_type.is_comm:
-                gap += 1
-            elif not step.meta_type.is_meta:
-                for op in step.comm_parts:
-                    where[(rank, op)] = (group, gap)
+_GroupCache = dict[tuple[int, int, tuple[int, ...]], list[list[MetaStep]]]
+
+
+def _batch_group_positions(
+    plans: dict[int, _RankPlan], cache: _GroupCache
+) -> dict[tuple[int, int], tuple[tuple[int, int], MetaStep]]:
+    """(rank, id of a data operation) -> ((index of its group among the rank's groups, its gap), the
+    operation) in the batch
+    lowering of ``plans`` as it stands: what ``_assemble_all(plans, _emit_batch)`` would make, read
+    from the slots without building the steps. ``_uncross`` asks for it once per sweep and only
+    moves receives between gaps, so a gap's groups are cached by the receives it holds."""
+    _apply_fifo_order(plans)
+    where: dict[tuple[int, int], tuple[tuple[int, int], MetaStep]] = {}
+    for rank, plan in plans.items():
+        recvs_at: dict[int, list[_Recv]] = defaultdict(list)
+        for recv in plan.recvs:
+            recvs_at[recv.gap].append(recv)
+        group = 0
+        for gap in range(len(plan.items) + 1):
+            here = recvs_at.get(gap, [])
+            key = (rank, gap, tuple(id(recv) for recv in here))
+            groups = cache.get(key)
+            if groups is None:
+                sends = [send for _, send in plan.sends.get(gap, ()) if not send.meta_type.is_meta]
+                slots, _ = _gap_slots(plan, gap, sends, here)
+                groups = cache[key] = [slot for slot in slots if slot]  # one BATCH step per non-empty slot
+            for ops in groups:
+                place = (group, gap)
+                for op in ops:
+                    where[(rank, id(op))] = (place, op)
                 group += 1
     return where
 
@@ -395,8 +435,10 @@ def _gap_of(steps: list[MetaStep], index: int) -> int:
     return sum(1 for step in steps[:index] if not step.meta_type.is_comm)
 
 
-def _apply_fifo_order(plans: dict[int, _RankPlan]) -> None:
-    """Give each recv its FIFO index and its final gap (suffix minimum of wanted gaps)."""
+def _number_fifo(plans: dict[int, _RankPlan]) -> None:
+    """Give each recv its FIFO index: the place of its send among the sender's messages to this rank
+    on the same channel. Sends and receives are fixed once metadata is added, so this runs once;
+    the places of receives change many times (``_apply_fifo_order``)."""
     send_order: dict[tuple[int, int, bool], dict[MetaStep, int]] = defaultdict(dict)
     for rank, plan in plans.items():
         for gap in sorted(plan.sends):
@@ -404,27 +446,48 @@ def _apply_fifo_order(plans: dict[int, _RankPlan]) -> None:
                 order = send_order[(rank, peer, send.meta_type.is_meta)]
                 order.setdefault(send, len(order))
     for rank, plan in plans.items():
-        data_gap: dict[DataKey, int] = {}
-        for channel_is_meta in (False, True):  # data first: a RECV_META must not follow its data receive
-            by_peer: dict[int, list[_Recv]] = defaultdict(list)
-            for recv in plan.recvs:
-                if recv.step.meta_type.is_meta != channel_is_meta:
-                    continue
-                sends = send_order.get((recv.peer, rank, channel_is_meta), {})
-                recv.fifo_index = sends.get(counterpart(recv.step), float("inf"))
-                key = message_key(recv.step)
-                wanted = min(recv.wanted_gap, data_gap.get(("F", key[1], key[2]), recv.wanted_gap))
-                recv.gap = wanted
-                by_peer[recv.peer].append(recv)
-            for recvs in by_peer.values():
-                matched = [r for r in recvs if r.fifo_index != float("inf")]
-                matched.sort(key=lambda r: r.fifo_index)
-                earliest = len(plan.items)
-                for recv in reversed(matched):
-                    earliest = min(earliest, recv.gap)
-                    recv.gap = earliest
-            if not channel_is_meta:
-                data_gap = {message_key(r.step): r.gap for r in plan.recvs if not r.step.meta_type.is_meta}
+        channels: dict[tuple[bool, int], list[_Recv]] = defaultdict(list)
+        for recv in plan.recvs:
+            is_meta = recv.step.meta_type.is_meta
+            sends = send_order.get((recv.peer, rank, is_meta), {})
+            recv.fifo_index = sends.get(counterpart(recv.step), float("inf"))
+            if recv.fifo_index != float("inf"):
+                channels[(is_meta, recv.peer)].append(recv)
+        for recvs in channels.values():
+            recvs.sort(key=lambda r: r.fifo_index)
+        plan.fifo = _FifoPlan(
+            data_channels=[recvs for (is_meta, _), recvs in channels.items() if not is_meta],
+            meta_channels=[recvs for (is_meta, _), recvs in channels.items() if is_meta],
+            data_recvs=[(message_key(r.step), r) for r in plan.recvs if not r.step.meta_type.is_meta],
+            meta_recvs=[(("F", *message_key(r.step)[1:]), r) for r in plan.recvs if r.step.meta_type.is_meta],
+        )
+
+
+def _apply_fifo_order(plans: dict[int, _RankPlan]) -> None:
+    """Give each recv its final gap: the suffix minimum of wanted gaps along each FIFO channel, data
+    channels first; a metadata receive also no later than the data receive it describes."""
+    for plan in plans.values():
+        fifo = plan.fifo
+        if fifo is None:
+            raise RuntimeError("lowering: _number_fifo must run before the receives are placed")
+        for recv in plan.recvs:
+            recv.gap = recv.wanted_gap
+        for recvs in fifo.data_channels:
+            _suffix_minimum(recvs, len(plan.items))
+        if fifo.meta_recvs:
+            data_gap = {key: recv.gap for key, recv in fifo.data_recvs}
+            for key, recv in fifo.meta_recvs:
+                recv.gap = min(recv.gap, data_gap.get(key, recv.gap))
+            for recvs in fifo.meta_channels:
+                _suffix_minimum(recvs, len(plan.items))
+
+
+def _suffix_minimum(recvs: list[_Recv], end: int) -> None:
+    """Receives of one FIFO channel, in order: none may be posted after a later one."""
+    earliest = end
+    for recv in reversed(recvs):
+        earliest = min(earliest, recv.gap)
+        recv.gap = earliest
 
 
 _Emit = Callable[[list[list[MetaStep]], list[MetaStep]], list[MetaStep]]

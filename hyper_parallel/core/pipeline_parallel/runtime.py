@@ -450,8 +450,11 @@ class PipelineRuntime:
         def what() -> str:  # formatted only if the wait is logged
             return f"rank {self.rank}: {step} waiting for rank {peer}" if step else f"rank {self.rank}: its sends"
 
-        # a completed handle (most waits of a busy pipeline) has nothing to watch
-        with _NOT_WATCHED if handle.is_completed() else watched(what):
+        try:
+            done = handle.is_completed()  # a completed handle (most waits of a busy pipeline): nothing to watch
+        except RuntimeError as exc:
+            raise self._peer_error(step, peer, exc) from None
+        with _NOT_WATCHED if done else watched(what):
             try:
                 handle.wait()
             except TimeoutError as exc:

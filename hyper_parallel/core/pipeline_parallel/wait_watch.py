@@ -34,7 +34,7 @@ def wait_log_interval() -> float:
         seconds = float(value)
     except ValueError:
         raise ValueError(f"HYPER_PARALLEL_WAIT_LOG_INTERVAL must be a number of seconds, got {value!r}") from None
-    if seconds < 0:
+    if not seconds >= 0:  # negative or nan
         raise ValueError(f"HYPER_PARALLEL_WAIT_LOG_INTERVAL must be >= 0, got {value!r}")
     _parsed = (value, seconds)
     return seconds

@@ -1,0 +1,70 @@
+"""The wait log: its interval variable and the log line of a wait that blocks."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from hyper_parallel.core.pipeline_parallel.wait_watch import wait_log_interval, watched
+
+
+def test_the_interval_follows_the_variable_each_time_it_is_read(monkeypatch):
+    monkeypatch.delenv("HYPER_PARALLEL_WAIT_LOG_INTERVAL", raising=False)
+    assert wait_log_interval() == 30.0
+    monkeypatch.setenv("HYPER_PARALLEL_WAIT_LOG_INTERVAL", "0.5")
+    assert wait_log_interval() == 0.5
+    monkeypatch.setenv("HYPER_PARALLEL_WAIT_LOG_INTERVAL", "0")
+    assert wait_log_interval() == 0.0
+    monkeypatch.setenv("HYPER_PARALLEL_WAIT_LOG_INTERVAL", "0.5")
+    assert wait_log_interval() == 0.5
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "", "nan"])
+def test_a_bad_interval_is_refused_every_time(monkeypatch, value):
+    monkeypatch.setenv("HYPER_PARALLEL_WAIT_LOG_INTERVAL", value)
+    for _ in range(2):  # a refused value is not remembered as if it were valid
+        with pytest.raises(ValueError, match="HYPER_PARALLEL_WAIT_LOG_INTERVAL must be"):
+            wait_log_interval()
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+        self.logged = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        self.logged.set()
+
+
+def test_a_blocked_wait_is_logged_once_with_its_text_made_only_then(monkeypatch):
+    monkeypatch.setenv("HYPER_PARALLEL_WAIT_LOG_INTERVAL", "0.05")
+    handler = _Collect()
+    logger = logging.getLogger("hyper_parallel")
+    logger.addHandler(handler)
+    made = []
+
+    def what() -> str:
+        made.append(1)
+        return "rank 3: RECV_F.s3.m0 waiting for rank 2"
+
+    try:
+        with watched(what):  # the body blocks until the line is logged (or fails after 30 s)
+            assert handler.logged.wait(30), "a wait blocked past the interval was never logged"
+        monkeypatch.setenv("HYPER_PARALLEL_WAIT_LOG_INTERVAL", "30")
+        with watched(what):  # a wait that ends before its interval: no line, and its text is never made
+            pass
+    finally:
+        logger.removeHandler(handler)
+    assert len(handler.messages) == 1, handler.messages
+    assert "rank 3: RECV_F.s3.m0 waiting for rank 2 has waited" in handler.messages[0]
+    assert made == [1]
+
+
+def test_interval_zero_watches_nothing(monkeypatch):
+    monkeypatch.setenv("HYPER_PARALLEL_WAIT_LOG_INTERVAL", "0")
+    with watched(lambda: pytest.fail("the text of an unwatched wait was made")):
+        pass
