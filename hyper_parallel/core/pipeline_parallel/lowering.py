@@ -266,68 +266,83 @@ def _uncross(plans: dict[int, _RankPlan], stage_to_rank: dict[int, int]) -> None
                   for _, send in sends}
     matches = {(rank, id(recv.step)): (recv.peer, id(send_steps[(recv.peer, counterpart(recv.step))]))
                for (rank, _), recv in recvs.items() if (recv.peer, counterpart(recv.step)) in send_steps}
+    pair_keys = sorted({(min(rank, peer), max(rank, peer)) for (rank, _), (peer, _) in matches.items()})
     cache: _GroupCache = {}  # valid within this call: only wanted gaps change here
+    where: dict[int, dict[int, tuple[tuple[int, int], MetaStep]]] = {}
+    dirty = set(plans)  # ranks whose receives moved: only their positions, and their pairs, change
     for _ in range(sum(len(plan.recvs) for plan in plans.values()) + 1):
-        where = _batch_group_positions(plans, cache)
-        pairs: dict[tuple[int, int], list[tuple[tuple[int, int], tuple[int, int], MetaStep, MetaStep]]] = (
-            defaultdict(list)
-        )
-        for (rank, op_id), (place, op) in where.items():
-            match = matches.get((rank, op_id))
-            if match is not None:
-                peer, other_id = match
-                other_place, other = where[(peer, other_id)]
-                if rank < peer:
-                    pairs[(rank, peer)].append((place, other_place, op, other))
-                else:
-                    pairs[(peer, rank)].append((other_place, place, other, op))
-        changed = False
-        for (low, high), entries in pairs.items():  # every crossing found in one sweep is fixed in this pass
+        for rank in dirty:
+            where[rank] = _rank_group_positions(rank, plans[rank], cache)
+        moved: set[int] = set()
+        # a fix touches only its pair's receives, so the pairs of one sweep are independent; a pair
+        # whose ranks did not move is as the last sweep left it (no fix was possible there)
+        for low, high in pair_keys:
+            if low not in dirty and high not in dirty:
+                continue
+            entries = _pair_entries(low, high, where, matches)
             entries.sort(key=lambda e: (e[0][0], e[1][0]))
             furthest = None
             for entry in entries:
                 if furthest is not None and entry[1][0] < furthest[1][0] and entry[0][0] > furthest[0][0]:
                     if _fix_crossing(recvs, low, high, furthest, entry):
-                        changed = True
+                        moved |= {low, high}
                         furthest = entry  # the fixed pair no longer holds the line
                         continue
                 if furthest is None or entry[1][0] > furthest[1][0]:
                     furthest = entry
-        if not changed:
+        if not moved:
             return
+        dirty = moved
 
 
 _GroupCache = dict[tuple[int, int, tuple[int, ...]], list[list[MetaStep]]]
+_Positions = dict[int, dict[int, tuple[tuple[int, int], MetaStep]]]
 
 
-def _batch_group_positions(
-    plans: dict[int, _RankPlan], cache: _GroupCache
-) -> dict[tuple[int, int], tuple[tuple[int, int], MetaStep]]:
-    """(rank, id of a data operation) -> ((index of its group among the rank's groups, its gap), the
-    operation) in the batch
-    lowering of ``plans`` as it stands: what ``_assemble_all(plans, _emit_batch)`` would make, read
-    from the slots without building the steps. ``_uncross`` asks for it once per sweep and only
-    moves receives between gaps, so a gap's groups are cached by the receives it holds."""
-    _apply_fifo_order(plans)
-    where: dict[tuple[int, int], tuple[tuple[int, int], MetaStep]] = {}
-    for rank, plan in plans.items():
-        recvs_at: dict[int, list[_Recv]] = defaultdict(list)
-        for recv in plan.recvs:
-            recvs_at[recv.gap].append(recv)
-        group = 0
-        for gap in range(len(plan.items) + 1):
-            here = recvs_at.get(gap, [])
-            key = (rank, gap, tuple(id(recv) for recv in here))
-            groups = cache.get(key)
-            if groups is None:
-                sends = [send for _, send in plan.sends.get(gap, ()) if not send.meta_type.is_meta]
-                slots, _ = _gap_slots(plan, gap, sends, here)
-                groups = cache[key] = [slot for slot in slots if slot]  # one BATCH step per non-empty slot
-            for ops in groups:
-                place = (group, gap)
-                for op in ops:
-                    where[(rank, id(op))] = (place, op)
-                group += 1
+def _pair_entries(low: int, high: int, where: _Positions, matches: dict) -> list[tuple]:
+    """The messages between ranks ``low`` and ``high``, each as (place on low, place on high, its
+    operation on low, its operation on high): low's receives first, then high's, in program order."""
+    entries = []
+    for op_id, (place, op) in where[low].items():
+        match = matches.get((low, op_id))
+        if match is not None and match[0] == high:
+            other_place, other = where[high][match[1]]
+            entries.append((place, other_place, op, other))
+    for op_id, (place, op) in where[high].items():
+        match = matches.get((high, op_id))
+        if match is not None and match[0] == low:
+            other_place, other = where[low][match[1]]
+            entries.append((other_place, place, other, op))
+    return entries
+
+
+def _rank_group_positions(
+    rank: int, plan: _RankPlan, cache: _GroupCache
+) -> dict[int, tuple[tuple[int, int], MetaStep]]:
+    """id of a data operation of ``rank`` -> ((index of its group among the rank's groups, its gap),
+    the operation) in the batch lowering of ``plan`` as it stands: what ``_assemble(plan,
+    _emit_batch)`` would make, read from the slots without building the steps. ``_uncross`` asks for
+    it once per sweep and only moves receives between gaps, so a gap's groups are cached by the
+    receives it holds."""
+    _place_recvs(plan)
+    where: dict[int, tuple[tuple[int, int], MetaStep]] = {}
+    recvs_at: dict[int, list[_Recv]] = defaultdict(list)
+    for recv in plan.recvs:
+        recvs_at[recv.gap].append(recv)
+    group = 0
+    for gap in range(len(plan.items) + 1):
+        here = recvs_at.get(gap, [])
+        key = (rank, gap, tuple(id(recv) for recv in here))
+        groups = cache.get(key)
+        if groups is None:
+            sends = [send for _, send in plan.sends.get(gap, ()) if not send.meta_type.is_meta]
+            slots, _ = _gap_slots(plan, gap, sends, here)
+            groups = cache[key] = [slot for slot in slots if slot]  # one BATCH step per non-empty slot
+        for ops in groups:
+            place = (group, gap)
+            for op in ops:
+                where[id(op)] = (place, op)
+            group += 1
     return where
 
 
@@ -464,22 +479,26 @@ def _number_fifo(plans: dict[int, _RankPlan]) -> None:
 
 
 def _apply_fifo_order(plans: dict[int, _RankPlan]) -> None:
-    """Give each recv its final gap: the suffix minimum of wanted gaps along each FIFO channel, data
-    channels first; a metadata receive also no later than the data receive it describes."""
     for plan in plans.values():
-        fifo = plan.fifo
-        if fifo is None:
-            raise RuntimeError("lowering: _number_fifo must run before the receives are placed")
-        for recv in plan.recvs:
-            recv.gap = recv.wanted_gap
-        for recvs in fifo.data_channels:
+        _place_recvs(plan)
+
+
+def _place_recvs(plan: _RankPlan) -> None:
+    """Give each recv of a rank its final gap: the suffix minimum of wanted gaps along each FIFO
+    channel, data channels first; a metadata receive also no later than the data receive it describes."""
+    fifo = plan.fifo
+    if fifo is None:
+        raise RuntimeError("lowering: _number_fifo must run before the receives are placed")
+    for recv in plan.recvs:
+        recv.gap = recv.wanted_gap
+    for recvs in fifo.data_channels:
+        _suffix_minimum(recvs, len(plan.items))
+    if fifo.meta_recvs:
+        data_gap = {key: recv.gap for key, recv in fifo.data_recvs}
+        for key, recv in fifo.meta_recvs:
+            recv.gap = min(recv.gap, data_gap.get(key, recv.gap))
+        for recvs in fifo.meta_channels:
             _suffix_minimum(recvs, len(plan.items))
-        if fifo.meta_recvs:
-            data_gap = {key: recv.gap for key, recv in fifo.data_recvs}
-            for key, recv in fifo.meta_recvs:
-                recv.gap = min(recv.gap, data_gap.get(key, recv.gap))
-            for recvs in fifo.meta_channels:
-                _suffix_minimum(recvs, len(plan.items))
 
 
 def _suffix_minimum(recvs: list[_Recv], end: int) -> None:

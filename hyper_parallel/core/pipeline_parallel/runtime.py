@@ -450,8 +450,9 @@ class PipelineRuntime:
         def what() -> str:  # formatted only if the wait is logged
             return f"rank {self.rank}: {step} waiting for rank {peer}" if step else f"rank {self.rank}: its sends"
 
+        completed = getattr(handle, "is_completed", None)  # a user's handle may only have wait()
         try:
-            done = handle.is_completed()  # a completed handle (most waits of a busy pipeline): nothing to watch
+            done = completed is not None and completed()  # completed (most waits of a busy pipeline): no watch
         except RuntimeError as exc:
             raise self._peer_error(step, peer, exc) from None
         with _NOT_WATCHED if done else watched(what):
