@@ -29,7 +29,7 @@ from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.lowering import peer_rank
 from hyper_parallel.core.pipeline_parallel.meta import TensorMeta, decode_meta, describe, encode_meta
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
-from hyper_parallel.core.pipeline_parallel.wait_watch import watched
+from hyper_parallel.core.pipeline_parallel.wait_watch import wait_log_interval, watched
 from hyper_parallel.platform.base import Handle, P2POp, Platform, WaitAborted
 
 Key = tuple[int, int]  # (stage index, micro-batch index)
@@ -162,6 +162,7 @@ class PipelineRuntime:
         for kind, handler in (extra_handlers or {}).items():
             self._handlers[kind] = lambda step, handler=handler: handler(self, step)
         self.extras: dict[str, Any] = {}  # state of features that add steps (FSDP, swap, ...)
+        self.wait_log_interval = wait_log_interval()  # read once per run, not once per wait
 
     # ------------------------------------------------------------------ driver
     def execute(self, steps: Sequence[MetaStep], custom: dict[MetaStepType, CustomFunction], ctx: StepContext) -> None:
@@ -399,7 +400,7 @@ class PipelineRuntime:
 
     def _meta_recv(self, step: MetaStep) -> None:
         peer = self._peer(step)
-        with watched(lambda: f"rank {self.rank}: {step} waiting for rank {peer}"):
+        with watched(lambda: f"rank {self.rank}: {step} waiting for rank {peer}", self.wait_log_interval):
             try:
                 values = self.p.recv_meta(peer, tag=self.tag)
             except TimeoutError as exc:
@@ -455,7 +456,7 @@ class PipelineRuntime:
             done = completed is not None and completed()  # completed (most waits of a busy pipeline): no watch
         except RuntimeError as exc:
             raise self._peer_error(step, peer, exc) from None
-        with _NOT_WATCHED if done else watched(what):
+        with _NOT_WATCHED if done else watched(what, self.wait_log_interval):
             try:
                 handle.wait()
             except TimeoutError as exc:

@@ -87,14 +87,15 @@ class watched:  # noqa: N801 - used like a function: ``with watched(what):``
     wait-log interval. A plain class,
     not a generator context manager: the runtime opens one per wait, several hundred per step."""
 
-    __slots__ = ("_token", "_what")
+    __slots__ = ("_interval", "_token", "_what")
 
-    def __init__(self, what: Describe) -> None:
+    def __init__(self, what: Describe, interval: float | None = None) -> None:
         self._what = what
+        self._interval = interval  # None: read HYPER_PARALLEL_WAIT_LOG_INTERVAL now
         self._token: int | None = None
 
     def __enter__(self) -> None:
-        interval = wait_log_interval()
+        interval = wait_log_interval() if self._interval is None else self._interval
         if interval > 0:
             self._token = _WATCH.open(self._what, interval)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,12 +56,17 @@ class TorchHandle(Handle):
     it) bounds the operation. A wait with an explicit timeout blocks the host.
     """
 
-    def __init__(self, work: Any, what: str, keep: Any = None, stream_wait: bool = False) -> None:
+    def __init__(self, work: Any, what: str | Callable[[], str], keep: Any = None, stream_wait: bool = False) -> None:
         self._work = work
-        self._what = what
+        self._what_text = what  # a callable is formatted only if the operation fails (P2P: hundreds per step)
         self._keep = keep
         self._stream_wait = stream_wait
         self._done = False
+
+    @property
+    def _what(self) -> str:
+        what = self._what_text
+        return what() if callable(what) else what
 
     def wait(self, timeout: float | None = None) -> None:
         if self._done:
@@ -172,7 +177,7 @@ class TorchCommunicator(Communicator):
     def isend(self, tensor: Any, dst: int, group: Group | None = None, tag: int = 0) -> Handle:
         tensor = _local(tensor).contiguous()  # the engines send contiguous memory only
         work = dist.isend(tensor, dst=dst, group=self._pg(group), tag=tag)
-        return TorchHandle(work, f"send from rank {self.rank} to rank {dst}", keep=tensor,
+        return TorchHandle(work, lambda: f"send from rank {self.rank} to rank {dst}", keep=tensor,
                            stream_wait=not self._gloo_like)
 
     def irecv(self, tensor: Any, src: int, group: Group | None = None, tag: int = 0) -> Handle:
@@ -180,7 +185,8 @@ class TorchCommunicator(Communicator):
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self.rank}: a receive buffer must be contiguous")
         work = dist.irecv(tensor, src=src, group=self._pg(group), tag=tag)
-        return TorchHandle(work, f"receive on rank {self.rank} from rank {src}", stream_wait=not self._gloo_like)
+        return TorchHandle(work, lambda: f"receive on rank {self.rank} from rank {src}",
+                           stream_wait=not self._gloo_like)
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
         if not ops:
