@@ -277,7 +277,7 @@ class JobModel:
 
     def _prepost(self, send: _Op) -> bool:
         peer = self.stage_to_rank[consumer_stage(send.key)]
-        head = next((g for g in self.queue[peer] if g.remaining), None)
+        head = next((g for g in self.queue.get(peer, ()) if g.remaining), None)  # a rank may have no list
         if head is None or not head.active:
             return False
         recv = self.recvs.get((peer, send.key))

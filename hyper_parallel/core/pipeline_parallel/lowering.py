@@ -429,8 +429,8 @@ def _repair_for_stream(
                         recv.wanted_gap = min(recv.wanted_gap, head_gap[peer])
                         moved = True
                 else:
-                    gap = send_gap.get((peer, counterpart(op)))
-                    plan = plans[peer]
+                    gap = send_gap.get((peer, counterpart(op)))  # None: no send (or no list) on the peer
+                    plan = plans.get(peer)
                     if gap is not None and meta_wait.get(peer) == gap and gap not in plan.sends_first:
                         plan.sends_first.add(gap)
                         moved = True

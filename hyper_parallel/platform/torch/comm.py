@@ -177,7 +177,8 @@ class TorchCommunicator(Communicator):
     def isend(self, tensor: Any, dst: int, group: Group | None = None, tag: int = 0) -> Handle:
         tensor = _local(tensor).contiguous()  # the engines send contiguous memory only
         work = dist.isend(tensor, dst=dst, group=self._pg(group), tag=tag)
-        return TorchHandle(work, lambda: f"send from rank {self.rank} to rank {dst}", keep=tensor,
+        me = self.rank  # now: when the operation fails, the process group may be gone
+        return TorchHandle(work, lambda: f"send from rank {me} to rank {dst}", keep=tensor,
                            stream_wait=not self._gloo_like)
 
     def irecv(self, tensor: Any, src: int, group: Group | None = None, tag: int = 0) -> Handle:
@@ -185,7 +186,8 @@ class TorchCommunicator(Communicator):
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self.rank}: a receive buffer must be contiguous")
         work = dist.irecv(tensor, src=src, group=self._pg(group), tag=tag)
-        return TorchHandle(work, lambda: f"receive on rank {self.rank} from rank {src}",
+        me = self.rank  # now: when the operation fails, the process group may be gone
+        return TorchHandle(work, lambda: f"receive on rank {me} from rank {src}",
                            stream_wait=not self._gloo_like)
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
