@@ -454,6 +454,8 @@ class PipelineRuntime:
         completed = getattr(handle, "is_completed", None)  # a user's handle may only have wait()
         try:
             done = completed is not None and completed()  # completed (most waits of a busy pipeline): no watch
+        except WaitAborted:
+            raise
         except RuntimeError as exc:
             raise self._peer_error(step, peer, exc) from None
         with _NOT_WATCHED if done else watched(what, self.wait_log_interval):
