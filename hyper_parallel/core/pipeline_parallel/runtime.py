@@ -503,13 +503,19 @@ class PipelineRuntime:
         """Free the sent outputs and let go of the sends that have completed, oldest first. Sends
         complete roughly in order, so this stops at the first one still in flight: constant work
         per step instead of a scan of every pending send."""
-        while self.forward_sends:
-            key = next(iter(self.forward_sends))
-            if not all(pending.handle.is_completed() for pending in self.forward_sends[key]):
-                break
-            self.settle_forward_sends(*key)
-        while self.sends and self.sends[0].handle.is_completed():
-            self.sends.popleft()
+        forward_sends = self.forward_sends
+        while forward_sends:
+            key = next(iter(forward_sends))
+            for pending in forward_sends[key]:  # a plain loop: this runs after every step
+                if not pending.handle.is_completed():
+                    break
+            else:
+                self.settle_forward_sends(*key)
+                continue
+            break
+        sends = self.sends
+        while sends and sends[0].handle.is_completed():
+            sends.popleft()
 
     def settle_forward_sends(self, s: int, i: int, force: bool = False) -> None:
         """Wait for the sends of stage s's output of micro-batch i and free what they sent. Called when
