@@ -136,8 +136,9 @@ class PipelineRuntime:
         self.arrived_meta: dict[Key, list[TensorMeta]] = {}
         self.in_grads: dict[Key, tuple[Any, ...]] = {}  # input gradients waiting to be sent / handed over
         self.recvs: dict[tuple[str, int, int], _PendingRecv] = {}
-        self.sends: deque[_PendingSend] = deque()  # backward and metadata sends, oldest first
-        # forward sends by (stage, micro-batch): settled when that micro-batch's output gradient arrives
+        self.sends: deque[_PendingSend] = deque()  # backward sends, oldest first
+        # forward data and metadata sends by (stage, micro-batch): settled when that micro-batch's output
+        # gradient arrives
         self.forward_sends: dict[Key, list[_PendingSend]] = {}
         self.losses: dict[int, Any] = {}
         self.stage_outputs: dict[int, Any] = {}
@@ -396,7 +397,10 @@ class PipelineRuntime:
         if not self.stages[s].dyn_shape:
             self.shapes_out[s] = metas
         handle = self.p.isend_meta(encode_meta(metas), self._peer(step), tag=self.tag)
-        self.sends.append(_PendingSend(handle, None))
+        # settled with the output's own sends (when its gradient arrives the peer has read both): on
+        # gloo a send reports completion only once waited, so one at the head of ``sends`` would hold
+        # back every later send there and be polled after every step
+        self.forward_sends.setdefault((s, i), []).append(_PendingSend(handle, None))
 
     def _meta_recv(self, step: MetaStep) -> None:
         peer = self._peer(step)
