@@ -88,7 +88,7 @@ class PipelineSchedule:
         kwargs_batch_dim: Any = None,
         output_concat_dim: int | None = None,
         scale_grads: bool = True,
-        overlap_p2p: bool = False,
+        overlap_p2p: bool = True,
         p2p_transport: str = "auto",
         swap: bool = False,
         swap_threshold: int = 4,
