@@ -12,17 +12,12 @@ import itertools
 import pytest
 from mlp_harness import MatrixJob, check, run_matrix_job
 
-from hyper_parallel.core.pipeline_parallel.catalog import chunk_range
+from hyper_parallel.core.pipeline_parallel.catalog import available_schedules, chunk_range
 from hyper_parallel.core.pipeline_parallel.schedule import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
-)
-from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import (
-    ScheduleDualPipeV,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
 )
 from hyper_parallel.platform.local import LocalCluster
 
@@ -81,8 +76,8 @@ def test_batch_metadata_order_regression():
 # the lowerings of that cross are validated without tensors in
 # tests/pipeline_unit/test_pp_lowering_cross.py. Here every pair of option values meets in at least
 # one run (all-pairs, picked greedily and deterministically from the valid cases).
-WIDE_SCHEDULES = [ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
-                  ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV]
+WIDE_SCHEDULES = list(available_schedules().values())  # every built-in schedule class
+assert len(WIDE_SCHEDULES) == 7, WIDE_SCHEDULES
 WIDE_FACTORS = {  # name -> values; m is a kind: the schedule's fewest, p, or 2p + 1 micro-batches
     "cls": WIDE_SCHEDULES, "p": [2, 3, 4, 5, 6], "v": [1, 2, 3], "m": ["min", "p", "2p+1"],
     "transport": ["plain", "batch"], "dyn": [False, True], "overlap": [False, True],

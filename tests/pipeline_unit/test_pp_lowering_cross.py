@@ -19,24 +19,13 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.catalog import chunk_range
+from hyper_parallel.core.pipeline_parallel.catalog import available_schedules, chunk_range
 from hyper_parallel.core.pipeline_parallel.ir import MetaStepType
 from hyper_parallel.core.pipeline_parallel.lowering import counterpart, lower, peer_rank
-from hyper_parallel.core.pipeline_parallel.schedule import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-)
 from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
-from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import (
-    ScheduleDualPipeV,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 
-CLASSES = [ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
-           ScheduleZBVZeroBubble, ScheduleDualPipeV]
+CLASSES = list(available_schedules().values())  # every built-in schedule class
+assert len(CLASSES) == 7, CLASSES
 VARIANTS = [(cls, v) for cls in CLASSES for v in (1, 2, 3) if chunk_range(cls)[0] <= v <= chunk_range(cls)[1]]
 
 

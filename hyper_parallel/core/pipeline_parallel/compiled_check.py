@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hyper_parallel.core.pipeline_parallel.runtime import PipelineRuntime
     from hyper_parallel.core.pipeline_parallel.schedule import PipelineSchedule
 
 _EAGER = ("Set HYPER_PARALLEL_MS_COMPILE=eager (or MindSporePlatform(compile='eager')) to run the stages op "
@@ -92,19 +91,9 @@ def check_activation_features(schedule: PipelineSchedule, forward_only: bool = F
             )
 
 
-def _hook() -> Any:
-    from hyper_parallel.core.pipeline_parallel.schedule import RunHook
-
-    class ActivationFeaturesCheck(RunHook):
-        """The context may have changed since construction (say to GRAPH_MODE): check again."""
-
-        def before_run(self, schedule: PipelineSchedule, runtime: PipelineRuntime) -> None:
-            check_activation_features(schedule)
-
-    return ActivationFeaturesCheck()
-
-
 def enable_activation_check(schedule: PipelineSchedule) -> None:
     """Check now and before every run."""
+    from hyper_parallel.core.pipeline_parallel.schedule import CheckBeforeRun
+
     check_activation_features(schedule)
-    schedule._run_hooks.insert(0, _hook())  # first: refuse before any other feature prepares the run
+    schedule._run_hooks.insert(0, CheckBeforeRun(check_activation_features))  # first: refuse before any other feature prepares the run

@@ -139,11 +139,11 @@ def lower(
         _use_dependencies(plans, stage_to_rank, _emit_plain, "eager", prefetch and transport == "plain")
     if transport == "plain":
         return _assemble_all(plans, _emit_plain)
-    _uncross(plans, stage_to_rank)
+    _uncross(plans)
     _repair(plans, stage_to_rank)
     if prefetch:  # again with the groups of the stream model: what each send's group waits for
         _use_dependencies(plans, stage_to_rank, _emit_batch, "stream", prefetch, data_only=True)
-        _uncross(plans, stage_to_rank)
+        _uncross(plans)
         _repair(plans, stage_to_rank)
     return _assemble_all(plans, _emit_batch)
 
@@ -253,7 +253,7 @@ def _use_dependencies(
                     recv.wanted_gap = recv.natural_gap - 1
 
 
-def _uncross(plans: dict[int, _RankPlan], stage_to_rank: dict[int, int]) -> None:
+def _uncross(plans: dict[int, _RankPlan]) -> None:
     """Stream model, two ranks at a time: the groups holding their messages must come in the same
     order on both ranks, else each waits for a group the other reaches only after its own. For
     each crossing of two messages: a prefetched receive goes back to its natural place (a

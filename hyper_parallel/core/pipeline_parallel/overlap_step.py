@@ -81,21 +81,30 @@ def check_stages_run_op_by_op(schedule: PipelineSchedule) -> None:
         )
 
 
-def _hook() -> Any:
-    from hyper_parallel.core.pipeline_parallel.schedule import RunHook
-
-    class CompiledStagesCheck(RunHook):
-        """The context may have changed since construction (say to GRAPH_MODE): check again."""
-
-        def before_run(self, schedule: PipelineSchedule, runtime: PipelineRuntime) -> None:
-            check_stages_run_op_by_op(schedule)
-
-    return CompiledStagesCheck()
+def check_schedule_has_pairs(schedule: PipelineSchedule) -> None:
+    """Raise ValueError when the schedule makes no OVERLAP step for ``comm_compute_overlap`` to run,
+    naming what would make one."""
+    if any(st is not None and st.meta_type.is_overlap for steps in schedule.compute_schedule.values()
+           for st in steps):
+        return
+    hint = "use ScheduleDualPipeV or ScheduleInterleaved1F1B(overlap_b_f=True)"
+    if getattr(schedule, "overlap_b_f", False):  # it pairs, only not at this m
+        least = schedule.min_overlap_microbatches(schedule.num_ranks)
+        hint = (f"with overlap_b_f=True it makes its first pair at {least} micro-batches: run at least "
+                f"{least} or drop comm_compute_overlap")
+    raise ValueError(
+        f"comm_compute_overlap runs overlapped (backward, forward) pairs, but this "
+        f"{type(schedule).__name__} (p={schedule.num_ranks}, m={schedule.micro_batch_num}) has none: {hint}"
+    )
 
 
 def enable_comm_compute_overlap(schedule: PipelineSchedule, overlap: Any) -> None:
     """Run the schedule's overlap steps through ``overlap`` (see the module docstring)."""
+    from hyper_parallel.core.pipeline_parallel.schedule import CheckBeforeRun
+
+    check_schedule_has_pairs(schedule)
     handler = OverlapPairHandler(overlap)
     check_stages_run_op_by_op(schedule)
-    schedule.add_feature(handlers={_T.OVERLAP_B_F: handler, _T.OVERLAP_F_B: handler}, hook=_hook())
+    schedule.add_feature(handlers={_T.OVERLAP_B_F: handler, _T.OVERLAP_F_B: handler},
+                         hook=CheckBeforeRun(check_stages_run_op_by_op))
     schedule.comm_compute_overlap = overlap

@@ -404,7 +404,7 @@ class PipelineRuntime:
 
     def _meta_recv(self, step: MetaStep) -> None:
         peer = self._peer(step)
-        with watched(lambda: f"rank {self.rank}: {step} waiting for rank {peer}", self.wait_log_interval):
+        with watched(lambda: self._waiting_for(step, peer), self.wait_log_interval):
             try:
                 values = self.p.recv_meta(peer, tag=self.tag)
             except TimeoutError as exc:
@@ -452,9 +452,6 @@ class PipelineRuntime:
         return recv
 
     def _wait(self, handle: Handle, step: MetaStep | None, peer: int | None) -> None:
-        def what() -> str:  # formatted only if the wait is logged
-            return f"rank {self.rank}: {step} waiting for rank {peer}" if step else f"rank {self.rank}: its sends"
-
         completed = getattr(handle, "is_completed", None)  # a user's handle may only have wait()
         try:
             done = completed is not None and completed()  # completed (most waits of a busy pipeline): no watch
@@ -462,7 +459,7 @@ class PipelineRuntime:
             raise
         except RuntimeError as exc:
             raise self._peer_error(step, peer, exc) from None
-        with _NOT_WATCHED if done else watched(what, self.wait_log_interval):
+        with _NOT_WATCHED if done else watched(lambda: self._waiting_for(step, peer), self.wait_log_interval):
             try:
                 handle.wait()
             except TimeoutError as exc:
@@ -471,6 +468,10 @@ class PipelineRuntime:
                 raise
             except RuntimeError as exc:  # e.g. the peer's process died and closed the connection
                 raise self._peer_error(step, peer, exc) from None
+
+    def _waiting_for(self, step: MetaStep | None, peer: int | None) -> str:
+        """What a blocked wait logs (formatted only then)."""
+        return f"rank {self.rank}: {step} waiting for rank {peer}" if step else f"rank {self.rank}: its sends"
 
     def _peer_error(self, step: MetaStep | None, peer: int | None, exc: BaseException) -> PeerError:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -60,6 +60,17 @@ class RunHook:
         return None
 
 
+class CheckBeforeRun(RunHook):
+    """Runs ``check(schedule)`` again before every run: what a feature checked at construction may
+    have changed since (say the MindSpore context switched to GRAPH_MODE)."""
+
+    def __init__(self, check: Callable[[PipelineSchedule], None]) -> None:
+        self.check = check
+
+    def before_run(self, schedule: PipelineSchedule, runtime: PipelineRuntime) -> None:
+        self.check(schedule)
+
+
 class PipelineSchedule:
     """Base of every schedule; subclasses set ``placement`` and implement ``_generate``.
 
@@ -159,17 +170,6 @@ class PipelineSchedule:
         enable_activation_check(self)  # swap and activation wrappers cannot run in compiled stages
         self.comm_compute_overlap = None
         if comm_compute_overlap is not None:  # the built-in OVERLAP_B_F handler
-            if not any(st is not None and st.meta_type.is_overlap for steps in self.compute_schedule.values()
-                       for st in steps):
-                hint = "use ScheduleDualPipeV or ScheduleInterleaved1F1B(overlap_b_f=True)"
-                if self.overlap_b_f:  # it pairs, only not at this m
-                    least = self.min_overlap_microbatches(self.num_ranks)
-                    hint = (f"with overlap_b_f=True it makes its first pair at {least} micro-batches: run at least "
-                            f"{least} or drop comm_compute_overlap")
-                raise ValueError(
-                    f"comm_compute_overlap runs overlapped (backward, forward) pairs, but this "
-                    f"{type(self).__name__} (p={self.num_ranks}, m={micro_batch_num}) has none: {hint}"
-                )
             from hyper_parallel.core.pipeline_parallel.overlap_step import enable_comm_compute_overlap
 
             enable_comm_compute_overlap(self, comm_compute_overlap)

@@ -21,22 +21,15 @@ _logger = logging.getLogger("hyper_parallel")
 Describe = Union[str, Callable[[], str]]  # what waits; a callable is only called if the wait is logged
 
 
-_parsed: tuple[str, float] = ("30", 30.0)  # the last value read and its meaning: parsed once per change
-
-
 def wait_log_interval() -> float:
     """Seconds after which a blocked wait is logged (``HYPER_PARALLEL_WAIT_LOG_INTERVAL``; 0 = never)."""
-    global _parsed
     value = os.environ.get("HYPER_PARALLEL_WAIT_LOG_INTERVAL", "30")
-    if value == _parsed[0]:
-        return _parsed[1]
     try:
         seconds = float(value)
     except ValueError:
         raise ValueError(f"HYPER_PARALLEL_WAIT_LOG_INTERVAL must be a number of seconds, got {value!r}") from None
     if not seconds >= 0:  # negative or nan
         raise ValueError(f"HYPER_PARALLEL_WAIT_LOG_INTERVAL must be >= 0, got {value!r}")
-    _parsed = (value, seconds)
     return seconds
 
 
@@ -84,8 +77,8 @@ _WATCH = _Watch()
 
 class watched:  # noqa: N801 - used like a function: ``with watched(what):``
     """Log ``what`` (a string, or a callable making it) once if the body is still running after the
-    wait-log interval. A plain class,
-    not a generator context manager: the runtime opens one per wait, several hundred per step."""
+    wait-log interval. A plain class, not a generator context manager: the runtime opens one per
+    wait, several hundred per step (and reads the interval once per run, passing it here)."""
 
     __slots__ = ("_interval", "_token", "_what")
 
