@@ -78,6 +78,19 @@ SPLIT_AND_PAIRS = {
     "overlap_b_f": (ScheduleInterleaved1F1B, 2, {"overlap_b_f": True}),
 }
 MICRO = {"dualpipe_v": 2 * P}  # DualPipeV needs m >= 2p; the others run 3 micro-batches
+# the keyword-argument and dyn_shape tests: 2 micro-batches, DualPipeV 2p, overlap_b_f p + 1 (its first pair)
+FEATURE_MICRO = {"dualpipe_v": 2 * P, "overlap_b_f": P + 1}
+SPLIT = ("zb_h1", "zbv", "dualpipe_v")  # the schedules with a dx/dW split
+# every schedule meets keyword arguments and dyn_shape compiled, in one setting or the other
+KWARGS_CASES = [("graph", "gpipe"), ("jit", "gpipe"), ("graph", "1f1b"), ("jit", "interleaved"),
+                ("graph", "looped_bfs"), ("graph", "zb_h1"), ("jit", "zbv"), ("graph", "dualpipe_v"),
+                ("jit", "overlap_b_f")]
+DYN_CASES = [("jit", "gpipe"), ("graph", "1f1b"), ("graph", "interleaved"), ("jit", "looped_bfs"),
+             ("jit", "zb_h1"), ("graph", "zbv"), ("jit", "dualpipe_v"), ("graph", "overlap_b_f")]
+
+
+def _options(schedule: str) -> dict[str, Any]:
+    return SPLIT_AND_PAIRS[schedule][2] if schedule in SPLIT_AND_PAIRS else {}
 
 
 @pytest.fixture
@@ -100,8 +113,7 @@ def test_every_schedule_tied_and_two_tensors_matches_non_pipelined(setting: str,
     config = small_config(n_layers=2 * chunks, tie_embeddings=True, two_tensor_boundary=True)
     tokens, targets = batch(config, 2 * micro)
     ref_loss, ref_grads = full_model_oracle("mindspore", config, tokens, targets)
-    options = SPLIT_AND_PAIRS[schedule][2] if schedule in SPLIT_AND_PAIRS else {}
-    results = _run(setting, Job(schedule, micro, config, tokens, targets, options=options))
+    results = _run(setting, Job(schedule, micro, config, tokens, targets, options=_options(schedule)))
     losses, grads = merged(results)
     assert len(losses[0]) == micro
     kinds = _steps_ran(results)
@@ -111,27 +123,28 @@ def test_every_schedule_tied_and_two_tensors_matches_non_pipelined(setting: str,
     np.testing.assert_array_equal(grads["tok_emb"], grads["head.weight"])  # shared_parameters summed them
 
 
-@pytest.mark.parametrize(("setting", "schedule"), [("graph", "gpipe"), ("jit", "gpipe"), ("jit", "zbv"),
-                                                   ("graph", "dualpipe_v")], indirect=["setting"])
+@pytest.mark.parametrize(("setting", "schedule"), KWARGS_CASES, indirect=["setting"])
 def test_keyword_arguments(setting: str, schedule: str, split_and_pairs: None) -> None:
-    """Keyword inputs of stage 0, with GPipe and with the V schedules (stage 0 and the last stage on
-    rank 0, the dx/dW split; DualPipeV's OVERLAP_B_F pairs)."""
+    """Keyword inputs of stage 0 with every schedule (the V schedules: stage 0 and the last stage on
+    rank 0; the dx/dW split; the OVERLAP_B_F pairs of DualPipeV and overlap_b_f)."""
     num_stages = P * SCHEDULES[schedule][1]
+    micro = FEATURE_MICRO.get(schedule, 2)
     config = small_config(n_layers=num_stages)
-    tokens, targets = batch(config, 4)
+    tokens, targets = batch(config, 2 * micro)
     rng = np.random.default_rng(5)
     kwargs = {
-        "offset": rng.standard_normal((4, config.max_seq_len)).astype(np.float32),  # split along dim 0
+        "offset": rng.standard_normal((2 * micro, config.max_seq_len)).astype(np.float32),  # split along dim 0
         "bias_vec": rng.standard_normal((config.d_model,)).astype(np.float32),  # passed whole
         "attn_scale": 0.5,  # not a tensor: a constant of the compiled graph
     }
     _, offset_first = wrappers("mindspore")
-    job = Job(schedule, MICRO.get(schedule, 2), config, tokens, targets, wrap_first=offset_first, run_kwargs=kwargs,
-              options={"kwargs_batch_dim": {"offset": 0, "bias_vec": BatchDimSpec(None)}})
+    job = Job(schedule, micro, config, tokens, targets, wrap_first=offset_first, run_kwargs=kwargs,
+              options={"kwargs_batch_dim": {"offset": 0, "bias_vec": BatchDimSpec(None)}, **_options(schedule)})
     ref_loss, ref_grads = chained_oracle("mindspore", job, num_stages, kwargs)
     results = _run(setting, job)
     _compare(results, ref_loss, ref_grads)
-    assert ("BWD_INPUT" in _steps_ran(results)) == (schedule in ("zbv", "dualpipe_v"))
+    assert ("BWD_INPUT" in _steps_ran(results)) == (schedule in SPLIT)
+    assert ("OVERLAP_B_F" in _steps_ran(results)) == (schedule in ("dualpipe_v", "overlap_b_f"))
 
 
 def test_last_stage_returns_the_loss_without_loss_fn(setting: str) -> None:
@@ -143,25 +156,25 @@ def test_last_stage_returns_the_loss_without_loss_fn(setting: str) -> None:
     _compare(_run(setting, job), ref_loss, ref_grads)
 
 
-@pytest.mark.parametrize(("setting", "schedule"), [("graph", "1f1b"), ("jit", "zb_h1"), ("graph", "interleaved")],
-                         indirect=["setting"])
+@pytest.mark.parametrize(("setting", "schedule"), DYN_CASES, indirect=["setting"])
 def test_dyn_shape_compiles_each_sequence_length(setting: str, schedule: str, split_and_pairs: None) -> None:
-    """Three runs of sequence lengths 5, 8, 5: 1F1B, ZB-H1 (the dx/dW split: each input backward
-    keeps a dW of its own run's shapes) and interleaved 1F1B (two chunks per rank)."""
-    config = small_config(n_layers=2 * SCHEDULES[schedule][1])
+    """Three runs of sequence lengths 5, 8, 5 with every schedule (the dx/dW split: each input
+    backward keeps a dW of its own run's shapes; several chunks per rank; OVERLAP_B_F pairs)."""
+    micro = FEATURE_MICRO.get(schedule, 2)
+    config = small_config(n_layers=P * SCHEDULES[schedule][1])
     seqs = [5, 8, 5]
-    data = [batch(config, 4, seq=s, seed=k) for k, s in enumerate(seqs)]
-    job = Job(schedule, 2, config, [d[0] for d in data], [d[1] for d in data], runs=len(seqs),
-              stage_options={"dyn_shape": True}, options={"scale_grads": False})
+    data = [batch(config, 2 * micro, seq=s, seed=k) for k, s in enumerate(seqs)]
+    job = Job(schedule, micro, config, [d[0] for d in data], [d[1] for d in data], runs=len(seqs),
+              stage_options={"dyn_shape": True}, options={"scale_grads": False, **_options(schedule)})
     results = _run(setting, job)
-    assert ("BWD_INPUT" in _steps_ran(results)) == (schedule == "zb_h1")
+    assert ("BWD_INPUT" in _steps_ran(results)) == (schedule in SPLIT)
     losses, grads = merged(results)
     total: dict[str, np.ndarray] = {}
     for k, (tokens, targets) in enumerate(data):
         ref_loss, ref_grads = full_model_oracle("mindspore", config, tokens, targets)
         np.testing.assert_allclose(np.mean(losses[k]), ref_loss, **TOL["mindspore"])
         for name, g in ref_grads.items():
-            total[name] = total.get(name, 0) + g * 2  # scale_grads=False: summed over micro-batches and runs
+            total[name] = total.get(name, 0) + g * micro  # scale_grads=False: summed over micro-batches and runs
     assert set(grads) == set(total)
     for name, g in grads.items():
         np.testing.assert_allclose(g, total[name], **TOL["mindspore"], err_msg=name)
