@@ -147,4 +147,7 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pipeline"))
+    from gloo_exit import run_and_leave  # gloo may abort a finished process at interpreter exit
+
+    run_and_leave(main, sys.argv[1])

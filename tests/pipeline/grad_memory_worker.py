@@ -58,4 +58,6 @@ def main(mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from gloo_exit import run_and_leave  # gloo may abort a finished process at interpreter exit
+
+    run_and_leave(main, sys.argv[1])
