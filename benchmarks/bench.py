@@ -34,7 +34,7 @@ FULL = {
     "overhead": dict(m=64, rounds=9),
     "p2p": dict(m=16, rounds=4, big_width=1 << 20, scale=1.0),
     "memory": dict(m=8),
-    "gpt": dict(m=8, rounds=5),
+    "gpt": dict(m=8, rounds=21),
     "ms": dict(rounds=2, steps=1, small=False),
     "profile": dict(m=64, steps=3),
 }

@@ -102,7 +102,11 @@ def build(lib: str, name: str, make_module: Any, m: int, rows: int, width: int, 
     x, y = data if data is not None else (torch.randn(m * rows, width), torch.randn(m * rows, width))
     first, last = 0 in indices, num_stages - 1 in indices
 
+    params = [p for mod in modules for p in mod.parameters()]
+
     def step() -> None:
+        for p in params:  # a training step starts without gradients (optimizer.zero_grad())
+            p.grad = None
         args = (x,) if first else ()
         kwargs = dict(target=y, losses=[]) if last else {}
         schedule.step(*args, return_outputs=False, **kwargs)

@@ -591,12 +591,15 @@ class Platform(ABC):
         kwargs: dict[str, Any],
         params: Sequence[Any],
         grad_args: Sequence[bool],
+        saved_pool: bool = True,
     ) -> ForwardRecord:
         """Run ``fn(*args, **kwargs)`` keeping what backward needs.
 
         Arguments flagged in ``grad_args`` are tensors treated as differentiable leaves
         (detached from any earlier graph first). ``params`` are the weights whose
-        gradients the backward accumulates.
+        gradients the backward accumulates. ``saved_pool=False`` says that the record gets one
+        full backward and no dx/dW split, so a backend may skip packing what the graph saves
+        (it still does when swap, recompute or memory accounting are in use).
         """
 
     @abstractmethod

@@ -36,6 +36,15 @@ Key = tuple[int, int]  # (stage index, micro-batch index)
 CustomFunction = Callable[[MetaStep, "StepContext"], None]
 _T = MetaStepType
 _NOT_WATCHED = contextlib.nullcontext()
+# steps that need no saved-tensor pool: forwards, full backwards and their communication
+_PLAIN = frozenset({
+    _T.FWD, _T.BWD, _T.FWD_SEND, _T.FWD_RECV, _T.BWD_SEND, _T.BWD_RECV, _T.META_SEND, _T.META_RECV,
+    _T.BATCH_SEND_RECV, _T.OVERLAP_B_F, _T.OVERLAP_F_B,
+})
+
+
+def _is_plain(step: MetaStep) -> bool:
+    return step.meta_type in _PLAIN and all(_is_plain(sub) for sub in step.sub_steps or ())
 P2P_TYPES = frozenset({_T.FWD_SEND, _T.FWD_RECV, _T.BWD_SEND, _T.BWD_RECV})
 
 
@@ -164,10 +173,14 @@ class PipelineRuntime:
             self._handlers[kind] = lambda step, handler=handler: handler(self, step)
         self.extras: dict[str, Any] = {}  # state of features that add steps (FSDP, swap, ...)
         self.wait_log_interval = wait_log_interval()  # read once per run, not once per wait
+        self.saved_pool = True  # set per run by ``execute``
 
     # ------------------------------------------------------------------ driver
     def execute(self, steps: Sequence[MetaStep], custom: dict[MetaStepType, CustomFunction], ctx: StepContext) -> None:
         tracer = self.tracer if self.tracer is not None and self.tracer.enabled else None
+        # the saved-tensor pool is for the dx/dW split, swap steps and custom steps (which may read
+        # the records): a run of plain forwards and full backwards goes without it
+        self.saved_pool = bool(custom) or not all(_is_plain(step) for step in steps)
         for step in steps:
             fn = custom.get(step.meta_type)
             start = tracer.now() if tracer is not None else 0.0
@@ -251,7 +264,7 @@ class PipelineRuntime:
                 result = self.p.stage_forward_no_grad(fn, args, kwargs)
                 outputs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
             else:
-                record = self.p.stage_forward(fn, args, kwargs, self.params[s], grad_args)
+                record = self.p.stage_forward(fn, args, kwargs, self.params[s], grad_args, self.saved_pool)
                 outputs = record.outputs
         except Exception as exc:
             raise StageError(self.rank, step or MetaStep(i, _T.FWD, s), exc) from exc

@@ -26,9 +26,10 @@ class PipelineStage:
     when the schedule is built and gradients summed after every run.
 
     ``free_sent_outputs`` (default True): once an output has been sent to the next stage, its
-    storage is released and only its autograd link is kept, as Megatron does. A forward hook or
-    a custom autograd function that keeps a reference to that output then sees an empty tensor;
-    pass ``False`` to keep the data (it costs one output's memory per micro-batch in flight).
+    storage is released and only its autograd link is kept, as Megatron does (never a tensor the
+    graph saved or a custom autograd Function's output). A forward hook that keeps a
+    reference to a released output then sees an empty tensor; pass ``False`` to keep the data (it
+    costs one output's memory per micro-batch in flight).
     ``num_stages`` is accepted as another name of ``stage_num`` (torch.distributed.pipelining's).
     The trainable parameters are read from ``submodule`` at every run, so a parameter frozen
     or unfrozen after the stage was built is handled.

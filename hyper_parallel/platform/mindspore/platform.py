@@ -207,6 +207,7 @@ class MindSporePlatform(Platform):
         kwargs: dict[str, Any],
         params: Sequence[Any],
         grad_args: Sequence[bool],
+        saved_pool: bool = True,  # packing is already opt-in here (``capture``)
     ) -> ForwardRecord:
         saved = self._saved
         if saved is None or not saved.capture or self._autograd.mode != "engine":

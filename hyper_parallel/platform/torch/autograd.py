@@ -16,8 +16,9 @@ Measured costs: ``benchmarks/results/autograd_split_cost.md``; see ``docs/zero_b
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import re
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,10 +78,11 @@ class _SavedPool:
 @dataclass
 class _TorchState:
     leaves: tuple[Any, ...]  # per positional arg: the detached leaf, or None
-    pool: _SavedPool
+    pool: _SavedPool | None  # None: forward run without the saved-tensor hook
     step: str = "forward"  # forward -> input_done -> done
     plan: SplitPlan | None = None  # kept between the input and the weight backward
     rewalk: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (roots, grads) for the fallback
+    graph_saved: set[int] | bool | None = None  # without a pool: storages the graph saved (False: unknown)
 
     def advance(self, expected: str, new: str, what: str) -> None:
         if self.step != expected:
@@ -105,7 +107,13 @@ def stage_forward(
     kwargs: dict[str, Any],
     params: Sequence[Any],
     grad_args: Sequence[bool],
+    saved_pool: bool = True,
 ) -> ForwardRecord:
+    """The stage forward, recording the graph. With ``saved_pool`` (the default) a saved-tensor
+    hook packs what the graph saves (needed by the dx/dW split, activation swap and memory
+    accounting); without it the graph saves as torch does by itself, which costs two Python
+    calls less per saved tensor (about a tenth of a small transformer block's forward + backward
+    on the CPU), and `releasable` reads the graph instead of the pool."""
     if len(grad_args) != len(args):
         raise ValueError(f"grad_args has {len(grad_args)} flags for {len(args)} arguments")
     leaves = []
@@ -119,9 +127,14 @@ def stage_forward(
         else:
             leaves.append(None)
         call_args.append(arg)
-    pool = _SavedPool()
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pool.pack, pool.unpack), active_pool(pool):
-        result = fn(*call_args, **kwargs)
+    if saved_pool:
+        pool: _SavedPool | None = _SavedPool()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pool.pack, pool.unpack), active_pool(pool):
+            result = fn(*call_args, **kwargs)
+    else:
+        pool = None
+        with torch.enable_grad():
+            result = fn(*call_args, **kwargs)
     return ForwardRecord(
         result=result,
         outputs=_flatten(result),
@@ -135,15 +148,87 @@ def releasable(record: ForwardRecord, tensor: Any) -> bool:
     """Whether dropping ``tensor``'s data keeps the backward correct and frees memory.
 
     Only a tensor computed in this stage (it has a ``grad_fn``; so not a parameter, buffer,
-    input or user tensor) whose storage the graph did not save for its backward.
+    input or user tensor), not made by a custom autograd Function, whose storage the graph did
+    not save for its backward.
     """
     state: _TorchState = record.native
-    return (
-        isinstance(tensor, torch.Tensor)
-        and tensor.grad_fn is not None
-        and tensor.layout == torch.strided
-        and tensor.untyped_storage().data_ptr() not in state.pool.storages
-    )
+    if not (isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None and tensor.layout == torch.strided):
+        return False
+    if isinstance(tensor.grad_fn, torch.autograd.function.BackwardCFunction):
+        return False  # a custom Function may keep its output on ``ctx``, where no hook sees it
+    ptr = tensor.untyped_storage().data_ptr()
+    if state.pool is not None:
+        return ptr not in state.pool.storages
+    return _not_saved_by_graph(record, tensor, ptr)
+
+
+_SAVED_FIELDS: dict[type, tuple[str, ...]] = {}  # autograd node type -> its ``_raw_saved_*`` fields
+_GENERATED_NODE = re.compile(r"[A-Za-z0-9_]+Backward[0-9]+$")  # the names of torch's generated nodes
+
+
+def _saved_storages(node: Any) -> list[int] | None:
+    """Storages ``node`` saved for its backward; None when that cannot be read: only torch's
+    generated nodes (``<Op>Backward<k>``) list what they save; a custom Function (Python or C++)
+    may keep tensors elsewhere, and a saved-tensor hook may have packed them."""
+    fields = _SAVED_FIELDS.get(type(node))
+    if fields is None:
+        generated = _GENERATED_NODE.match(type(node).__name__) is not None or type(node).__name__ == "AccumulateGrad"
+        if isinstance(node, torch.autograd.function.BackwardCFunction) or not generated:
+            return None  # not cached: a Function's node types come and go
+        fields = _SAVED_FIELDS[type(node)] = tuple(a for a in dir(type(node)) if a.startswith("_raw_saved_"))
+    out = []
+    for name in fields:
+        try:
+            raw = getattr(node, name)
+            items = [None if item is None else item.data for item in (raw if isinstance(raw, (list, tuple)) else (raw,))]
+        except RuntimeError:  # already freed by a backward
+            continue
+        for data in items:
+            if data is None:
+                continue
+            if not isinstance(data, torch.Tensor):
+                return None
+            if data.layout == torch.strided:
+                out.append(data.untyped_storage().data_ptr())
+    return out
+
+
+def _not_saved_by_graph(record: ForwardRecord, tensor: torch.Tensor, ptr: int) -> bool:
+    """`releasable` for a forward run without the pool: whether no node of the graph saved the
+    storage of output ``tensor``, read from the graph; unsure means no.
+
+    A view is never released. A tensor that is not a view got its storage from the node that
+    made it (``grad_fn``) or, for an in-place result, from an earlier op whose saved copy the
+    in-place change would already have invalidated; so with one output only ``grad_fn`` can
+    have saved it. With several outputs every node of the graph is read (once per record)."""
+    if type(tensor) is not torch.Tensor or tensor._base is not None:  # subclasses (DTensor), views
+        return False
+    state: _TorchState = record.native
+    outputs = [o for o in record.outputs if isinstance(o, torch.Tensor)]
+    if len(outputs) == 1:
+        saved = _saved_storages(tensor.grad_fn)
+        return saved is not None and ptr not in saved
+    if state.graph_saved is None:
+        state.graph_saved = _graph_saved(outputs)
+    return state.graph_saved is not False and ptr not in state.graph_saved
+
+
+def _graph_saved(outputs: Sequence[torch.Tensor]) -> set[int] | bool:
+    """Every storage the graph of ``outputs`` saved; False when one node cannot be read."""
+    saved: set[int] = set()
+    seen: set[int] = set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        storages = _saved_storages(node)
+        if storages is None:
+            return False
+        saved.update(storages)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return saved
 
 
 def _roots(record: ForwardRecord, grads: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -202,14 +287,18 @@ def stage_backward_input(record: ForwardRecord, grads: Sequence[Any]) -> tuple[A
     else:
         state.plan = plan = plan_split(gradient_edges(roots), root_grads, leaves, _trainable(record.params))
         # free what only dx needs as the pass goes, like a backward that frees the graph
-        for packed in plan.dx_only_saved():
-            if isinstance(packed, _Saved):
-                packed.dx_only = True
-        state.pool.dropping = True
-        try:
+        pool = state.pool
+        if pool is None:  # run without the hook: nothing to free early
             found = plan.run_input(roots, root_grads, leaves)
-        finally:
-            state.pool.dropping = False
+        else:
+            for packed in plan.dx_only_saved():
+                if isinstance(packed, _Saved):
+                    packed.dx_only = True
+            pool.dropping = True
+            try:
+                found = plan.run_input(roots, root_grads, leaves)
+            finally:
+                pool.dropping = False
     return _input_grads(state, {id(leaf): g for leaf, g in zip(leaves, found)})
 
 

@@ -230,11 +230,13 @@ class TorchPlatform(Platform):
         kwargs: dict[str, Any],
         params: Sequence[Any],
         grad_args: Sequence[bool],
+        saved_pool: bool = True,
     ) -> ForwardRecord:
-        record = stage_forward(fn, args, kwargs, params, grad_args)
-        if self._saved is not None:
+        if self._saved is not None:  # swap, recompute or memory accounting in use: they read the pool
+            record = stage_forward(fn, args, kwargs, params, grad_args)
             self._saved.after_forward(record)
-        return record
+            return record
+        return stage_forward(fn, args, kwargs, params, grad_args, saved_pool)
 
     def stage_forward_no_grad(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         with torch.no_grad():
