@@ -1,18 +1,16 @@
-"""Review of 5dfb28e (stage forwards without the saved-tensor pool): what it left or made wrong.
+"""Review of 5dfb28e (stage forwards without the saved-tensor pool), with what came of it.
 
-1. A custom autograd Function that keeps its *input* on ``ctx`` (not ``save_for_backward``):
-   the pool cannot see it, so where the pool is in use (every split-backward schedule, and any
-   run with memory tracking, swap or a wrapper) a sent output that the Function keeps is released
-   and its backward fails, although docs/running.md now says a tensor the graph saved for its
-   backward is never released. The same stage trains with Schedule1F1B (graph read, kept), so
-   whether it works depends on the schedule or on ``track_memory``. Oracle: the stages chained
-   without a pipeline, every parameter gradient.
-2. Outputs whose sent storage the commit no longer frees although freeing them is safe (a memory
-   regression on the default path): a stage of several outputs whose graph holds a
-   ``torch.utils.checkpoint`` region or a slice assignment (the pool path frees it), and on both
-   paths the output of the platform's own ``custom_function`` (DTensor ``redistribute`` /
-   ``to_local(grad_placements)``), which keeps nothing on ``ctx`` but its backward callable.
-   Each case also checks that freeing it keeps the gradients exact.
+1. A custom autograd Function that keeps a tensor on ``ctx`` (not ``save_for_backward``): no hook
+   and no graph reader can see it. A stage sending several tensors now always runs with the pool,
+   so whether such an output is released no longer depends on the schedule; keeping the data is
+   ``free_sent_outputs=False`` (documented on ``PipelineStage`` and in docs/running.md), checked
+   here on every kind of schedule against the stages chained without a pipeline.
+2. Outputs whose sent storage must still be freed (a memory regression otherwise): a stage of
+   several outputs whose graph holds a ``torch.utils.checkpoint`` region or a slice assignment
+   (the runtime gives such stages the pool), and the output of the platform's own
+   ``custom_function`` (DTensor ``redistribute`` / ``to_local(grad_placements)``), which keeps
+   nothing on ``ctx`` but its backward callable, on both paths. Each case also checks that
+   freeing it keeps the gradients exact.
 """
 
 from __future__ import annotations
@@ -83,12 +81,12 @@ def _oracle(num: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("cls, chunks, tracked", [
-    (Schedule1F1B, 1, False),  # passes: the graph reader keeps the output
+    (Schedule1F1B, 1, False),
     (Schedule1F1B, 1, True),  # memory tracking switches the pool on
     (ScheduleZBVZeroBubble, 2, False),
     (ScheduleDualPipeV, 2, False),
 ])
-def test_an_output_a_custom_function_keeps_on_ctx_is_not_released(cls, chunks, tracked):
+def test_an_output_a_custom_function_keeps_on_ctx_trains_with_free_sent_outputs_off(cls, chunks, tracked):
     x, y = _data()
 
     def body():
@@ -96,7 +94,7 @@ def test_an_output_a_custom_function_keeps_on_ctx_is_not_released(cls, chunks, t
         placement = cls.stage_placement(p.world_size, chunks)
         num = len(placement)
         mine = [s for s in range(num) if placement[s] == p.rank]
-        stages = [PipelineStage(_Block(s, num), s, num) for s in mine]
+        stages = [PipelineStage(_Block(s, num), s, num, free_sent_outputs=False) for s in mine]
         sched = cls(stages if chunks > 1 else stages[0], MICRO, loss_fn=_mse)
         if tracked:
             track_memory(sched)
@@ -155,8 +153,10 @@ def _forward_backward(fn, saved_pool: bool, release: bool):
     return flags, [dx, *(p.grad.clone() for p in params)]
 
 
-@pytest.mark.parametrize("name", sorted(FREE_SAFELY))
-@pytest.mark.parametrize("saved_pool", [False, True], ids=["lean", "pool"])
+@pytest.mark.parametrize("name, saved_pool", [
+    *((name, True) for name in sorted(FREE_SAFELY)),
+    ("platform_custom_function", False),  # one output: the runtime runs it without the pool
+], ids=lambda v: v if isinstance(v, str) else ("pool" if v else "lean"))
 def test_a_sent_output_the_backward_does_not_need_is_freed(name, saved_pool):
     fn = FREE_SAFELY[name]
     _, kept = _forward_backward(fn, saved_pool, release=False)
@@ -193,7 +193,7 @@ class _Head(torch.nn.Module):
 
 
 def test_1f1b_frees_the_sent_hidden_of_a_checkpointed_two_output_stage():
-    """Schedule1F1B runs without the pool: the hidden output that the pool path frees stays."""
+    """A stage sending two tensors runs with the pool under Schedule1F1B too: the hidden is freed."""
 
     def body():
         rank = get_platform().rank

@@ -264,7 +264,8 @@ class PipelineRuntime:
                 result = self.p.stage_forward_no_grad(fn, args, kwargs)
                 outputs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
             else:
-                record = self.p.stage_forward(fn, args, kwargs, self.params[s], grad_args, self.saved_pool)
+                record = self.p.stage_forward(fn, args, kwargs, self.params[s], grad_args,
+                                              saved_pool=self._needs_pool(stage))
                 outputs = record.outputs
         except Exception as exc:
             raise StageError(self.rank, step or MetaStep(i, _T.FWD, s), exc) from exc
@@ -275,6 +276,7 @@ class PipelineRuntime:
         if stage.is_last:
             self._last_stage_outputs(i, outputs)
             return
+        stage.sends_one_tensor = sum(1 for o in outputs if self.p.is_tensor(o)) == 1
         for o in outputs:
             if not self.p.is_tensor(o):
                 raise TypeError(
@@ -283,6 +285,12 @@ class PipelineRuntime:
                 )
         self.out_meta[(s, i)] = dtensor_boundary.with_layouts([self._meta(o) for o in outputs], out_layouts)
         self.outputs[(s, i)] = outputs
+
+    def _needs_pool(self, stage: PipelineStage) -> bool:
+        """Whether this forward packs what its graph saves: for the dx/dW split, swap steps and custom
+        steps (``saved_pool``), and for the stages that send several outputs (or have not run yet),
+        where only the pool tells cheaply which sent output the graph saved."""
+        return self.saved_pool or not (stage.is_last or getattr(stage, "sends_one_tensor", False))
 
     def _last_stage_outputs(self, i: int, outputs: tuple[Any, ...]) -> None:
         has_loss = not self.forward_only or (self.loss_fn is not None and bool(self.targets))

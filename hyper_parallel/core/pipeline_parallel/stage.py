@@ -27,9 +27,9 @@ class PipelineStage:
 
     ``free_sent_outputs`` (default True): once an output has been sent to the next stage, its
     storage is released and only its autograd link is kept, as Megatron does (never a tensor the
-    graph saved or a custom autograd Function's output). A forward hook that keeps a
-    reference to a released output then sees an empty tensor; pass ``False`` to keep the data (it
-    costs one output's memory per micro-batch in flight).
+    graph saved for its backward). A forward hook, or a custom autograd function that keeps a
+    reference to that output on ``ctx`` instead of ``save_for_backward``, then sees an empty
+    tensor; pass ``False`` to keep the data (it costs one output's memory per micro-batch in flight).
     ``num_stages`` is accepted as another name of ``stage_num`` (torch.distributed.pipelining's).
     The trainable parameters are read from ``submodule`` at every run, so a parameter frozen
     or unfrozen after the stage was built is handled.
@@ -68,6 +68,9 @@ class PipelineStage:
         self.device = self.platform.check_device(device)
         self.dyn_shape = check_flag("dyn_shape", dyn_shape)
         self.free_sent_outputs = check_flag("free_sent_outputs", free_sent_outputs)
+        # learned by the runtime from this stage's last forward: whether it sent a single tensor
+        # (such forwards run without the saved-tensor pool; see ``PipelineRuntime._needs_pool``)
+        self.sends_one_tensor = False
         self.mesh = mesh  # the whole mesh: DTensors arriving from the previous stage are rebuilt on it
         if mesh is not None:
             pp_mesh = mesh if mesh.ndim == 1 else mesh["pp"]

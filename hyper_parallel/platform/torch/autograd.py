@@ -15,9 +15,9 @@ Measured costs: ``benchmarks/results/autograd_split_cost.md``; see ``docs/zero_b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import re
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,7 +82,9 @@ class _TorchState:
     step: str = "forward"  # forward -> input_done -> done
     plan: SplitPlan | None = None  # kept between the input and the weight backward
     rewalk: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None  # (roots, grads) for the fallback
-    graph_saved: set[int] | bool | None = None  # without a pool: storages the graph saved (False: unknown)
+    # without a pool, several outputs: the storages the graph saved, read once (None: unreadable)
+    graph_saved: frozenset[int] | None = None
+    graph_read: bool = False
 
     def advance(self, expected: str, new: str, what: str) -> None:
         if self.step != expected:
@@ -148,14 +150,13 @@ def releasable(record: ForwardRecord, tensor: Any) -> bool:
     """Whether dropping ``tensor``'s data keeps the backward correct and frees memory.
 
     Only a tensor computed in this stage (it has a ``grad_fn``; so not a parameter, buffer,
-    input or user tensor), not made by a custom autograd Function, whose storage the graph did
-    not save for its backward.
+    input or user tensor) whose storage the graph did not save for its backward. What a custom
+    autograd Function keeps on ``ctx`` instead of ``save_for_backward`` is not seen (see
+    ``PipelineStage``'s ``free_sent_outputs``).
     """
     state: _TorchState = record.native
     if not (isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None and tensor.layout == torch.strided):
         return False
-    if isinstance(tensor.grad_fn, torch.autograd.function.BackwardCFunction):
-        return False  # a custom Function may keep its output on ``ctx``, where no hook sees it
     ptr = tensor.untyped_storage().data_ptr()
     if state.pool is not None:
         return ptr not in state.pool.storages
@@ -167,22 +168,27 @@ _GENERATED_NODE = re.compile(r"[A-Za-z0-9_]+Backward[0-9]+$")  # the names of to
 
 
 def _saved_storages(node: Any) -> list[int] | None:
-    """Storages ``node`` saved for its backward; None when that cannot be read: only torch's
-    generated nodes (``<Op>Backward<k>``) list what they save; a custom Function (Python or C++)
-    may keep tensors elsewhere, and a saved-tensor hook may have packed them."""
+    """Storages ``node`` saved for its backward; None when that cannot be read. Readable: torch's
+    generated nodes (``<Op>Backward<k>``) and custom Functions (what ``save_for_backward`` kept;
+    like the pool, not what ``ctx`` holds otherwise); not: C++ custom nodes and anything a
+    saved-tensor hook packed (e.g. inside ``torch.utils.checkpoint``)."""
     fields = _SAVED_FIELDS.get(type(node))
     if fields is None:
-        generated = _GENERATED_NODE.match(type(node).__name__) is not None or type(node).__name__ == "AccumulateGrad"
-        if isinstance(node, torch.autograd.function.BackwardCFunction) or not generated:
-            return None  # not cached: a Function's node types come and go
-        fields = _SAVED_FIELDS[type(node)] = tuple(a for a in dir(type(node)) if a.startswith("_raw_saved_"))
+        name = type(node).__name__
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            fields = ("_raw_saved_tensors",)
+        elif _GENERATED_NODE.match(name) is not None or name == "AccumulateGrad":
+            fields = tuple(a for a in dir(type(node)) if a.startswith("_raw_saved_"))
+        else:
+            return None
+        _SAVED_FIELDS[type(node)] = fields
     out = []
-    for name in fields:
+    for field in fields:
         try:
-            raw = getattr(node, name)
+            raw = getattr(node, field)
             items = [None if item is None else item.data for item in (raw if isinstance(raw, (list, tuple)) else (raw,))]
-        except RuntimeError:  # already freed by a backward
-            continue
+        except RuntimeError:  # freed by a backward that ran already: cannot tell
+            return None
         for data in items:
             if data is None:
                 continue
@@ -197,10 +203,11 @@ def _not_saved_by_graph(record: ForwardRecord, tensor: torch.Tensor, ptr: int) -
     """`releasable` for a forward run without the pool: whether no node of the graph saved the
     storage of output ``tensor``, read from the graph; unsure means no.
 
-    A view is never released. A tensor that is not a view got its storage from the node that
-    made it (``grad_fn``) or, for an in-place result, from an earlier op whose saved copy the
-    in-place change would already have invalidated; so with one output only ``grad_fn`` can
-    have saved it. With several outputs every node of the graph is read (once per record)."""
+    A view is never released (its base holds the storage). A tensor that is not a view got its
+    storage from the node that made it (``grad_fn``) or, for an in-place result, from an earlier
+    op whose saved copy the in-place change would already have invalidated; so with one output
+    only ``grad_fn`` can have saved it. With several outputs (the runtime gives those stages the
+    pool) every node of the graph is read, once per record."""
     if type(tensor) is not torch.Tensor or tensor._base is not None:  # subclasses (DTensor), views
         return False
     state: _TorchState = record.native
@@ -208,13 +215,14 @@ def _not_saved_by_graph(record: ForwardRecord, tensor: torch.Tensor, ptr: int) -
     if len(outputs) == 1:
         saved = _saved_storages(tensor.grad_fn)
         return saved is not None and ptr not in saved
-    if state.graph_saved is None:
-        state.graph_saved = _graph_saved(outputs)
-    return state.graph_saved is not False and ptr not in state.graph_saved
+    if not state.graph_read:
+        state.graph_saved, state.graph_read = _graph_saved(outputs), True
+    saved = state.graph_saved
+    return saved is not None and ptr not in saved
 
 
-def _graph_saved(outputs: Sequence[torch.Tensor]) -> set[int] | bool:
-    """Every storage the graph of ``outputs`` saved; False when one node cannot be read."""
+def _graph_saved(outputs: Sequence[torch.Tensor]) -> frozenset[int] | None:
+    """Every storage the graph of ``outputs`` saved; None when a node cannot be read."""
     saved: set[int] = set()
     seen: set[int] = set()
     stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
@@ -225,10 +233,10 @@ def _graph_saved(outputs: Sequence[torch.Tensor]) -> set[int] | bool:
         seen.add(id(node))
         storages = _saved_storages(node)
         if storages is None:
-            return False
+            return None
         saved.update(storages)
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return saved
+    return frozenset(saved)
 
 
 def _roots(record: ForwardRecord, grads: Sequence[Any]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
