@@ -13,6 +13,7 @@ import pytest
 import torch
 from mlp_harness import MatrixJob, batch, build_stages, check, mse
 
+from hyper_parallel.core.pipeline_parallel.wait_watch import wait_slot
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.lowering import peer_rank
 from hyper_parallel.core.pipeline_parallel.runtime import PeerError, PipelineRuntime
@@ -91,7 +92,7 @@ def test_a_peer_that_dies_is_named():
         def wait(self, timeout=None):
             raise RuntimeError("Connection closed by peer [127.0.0.1]:1234\nmore lines")
 
-    runtime = SimpleNamespace(rank=0, wait_log_interval=30.0)
+    runtime = SimpleNamespace(rank=0, wait_log_interval=30.0, _wait_slot=wait_slot(lambda *what: "unused", 30.0))
     runtime._peer_error = lambda step, peer, exc: PipelineRuntime._peer_error(runtime, step, peer, exc)
     step = MetaStep(2, MetaStepType.BWD_RECV, 0)
     with pytest.raises(PeerError, match=r"rank 0: rank 1 failed or stopped while step .* waited for it "
@@ -108,7 +109,7 @@ def test_a_wait_that_times_out_is_not_taken_for_done():
         def wait(self, timeout=None):
             raise TimeoutError("no message within 300 s")
 
-    runtime = SimpleNamespace(rank=2, wait_log_interval=30.0)
+    runtime = SimpleNamespace(rank=2, wait_log_interval=30.0, _wait_slot=None)
     step = MetaStep(1, MetaStepType.FWD_RECV, 2)
     with pytest.raises(TimeoutError, match=r"rank 2: step .* waiting on rank 1 failed: no message within 300 s"):
         PipelineRuntime._wait(runtime, Late(), step, 1)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.wait_watch import wait_log_interval, watched
+from hyper_parallel.core.pipeline_parallel.wait_watch import wait_log_interval, wait_slot, watched
 
 
 def test_the_interval_follows_the_variable_each_time_it_is_read(monkeypatch):
@@ -68,3 +68,32 @@ def test_interval_zero_watches_nothing(monkeypatch):
     monkeypatch.setenv("HYPER_PARALLEL_WAIT_LOG_INTERVAL", "0")
     with watched(lambda: pytest.fail("the text of an unwatched wait was made")):
         pass
+
+
+def test_a_wait_slot_logs_a_blocked_wait_once_and_makes_its_text_only_then():
+    """The runtime's form: one slot per waiter, ``current`` set around each wait."""
+    import time
+
+    handler = _Collect()
+    logger = logging.getLogger("hyper_parallel")
+    logger.addHandler(handler)
+    made = []
+
+    def describe(step, peer) -> str:
+        made.append((step, peer))
+        return f"rank 1: {step} waiting for rank {peer}"
+
+    slot = wait_slot(describe, 0.05)
+    try:
+        for k in range(3):  # waits that end at once: no line, no text
+            slot.current = (time.monotonic(), f"RECV_B.s1.m{k}", 2)
+            slot.current = None
+        slot.current = (time.monotonic(), "RECV_F.s1.m4", 0)  # blocks past the interval
+        assert handler.logged.wait(30), "a wait blocked past the interval was never logged"
+        assert slot.logged == slot.current[0]  # marked: the watch does not log this wait again
+        slot.current = None
+    finally:
+        logger.removeHandler(handler)
+    assert made == [("RECV_F.s1.m4", 0)]
+    assert len(handler.messages) == 1 and "rank 1: RECV_F.s1.m4 waiting for rank 0 has waited" in handler.messages[0]
+    assert wait_slot(describe, 0.0) is None  # interval 0: nothing is watched

@@ -19,6 +19,7 @@ was built with ``free_sent_outputs=False``. A wait still blocked after
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.lowering import peer_rank
 from hyper_parallel.core.pipeline_parallel.meta import TensorMeta, decode_meta, describe, encode_meta
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
-from hyper_parallel.core.pipeline_parallel.wait_watch import wait_log_interval, watched
+from hyper_parallel.core.pipeline_parallel.wait_watch import wait_log_interval, wait_slot, watched
 from hyper_parallel.platform.base import Handle, P2POp, Platform, WaitAborted
 
 Key = tuple[int, int]  # (stage index, micro-batch index)
@@ -153,7 +154,7 @@ class PipelineRuntime:
         self.stage_outputs: dict[int, Any] = {}
         self.live_activations = 0
         self.peak_activations = 0
-        self._peers: dict[MetaStep, int] = {}
+        self._peers: dict[int, tuple[MetaStep, int]] = {}  # id(step) -> (step, peer rank)
         self._handlers: dict[MetaStepType, Callable[[MetaStep], None]] = {
             _T.FWD: self._forward_step,
             _T.BWD: self._backward_step,
@@ -173,6 +174,7 @@ class PipelineRuntime:
             self._handlers[kind] = lambda step, handler=handler: handler(self, step)
         self.extras: dict[str, Any] = {}  # state of features that add steps (FSDP, swap, ...)
         self.wait_log_interval = wait_log_interval()  # read once per run, not once per wait
+        self._wait_slot = wait_slot(self._waiting_for, self.wait_log_interval)  # None: not watched
         self.saved_pool = True  # set per run by ``execute``
 
     # ------------------------------------------------------------------ driver
@@ -354,10 +356,10 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ communication
     def _peer(self, step: MetaStep) -> int:
-        peer = self._peers.get(step)
-        if peer is None:
-            peer = self._peers[step] = peer_rank(step, self.stage_rank)
-        return peer
+        known = self._peers.get(id(step))  # by identity (a step's own hash is a Python call)
+        if known is None:
+            known = self._peers[id(step)] = (step, peer_rank(step, self.stage_rank))  # holds the step: its id stays its own
+        return known[1]
 
     def _p2p_step(self, step: MetaStep) -> None:
         self.communicate([step])
@@ -473,22 +475,23 @@ class PipelineRuntime:
         return recv
 
     def _wait(self, handle: Handle, step: MetaStep | None, peer: int | None) -> None:
-        completed = getattr(handle, "is_completed", None)  # a user's handle may only have wait()
+        slot = self._wait_slot
+        mine = slot is not None and slot.current is None  # else: watching off, or another thread waits
+        if mine:
+            slot.current = (time.monotonic(), step, peer)
         try:
-            done = completed is not None and completed()  # completed (most waits of a busy pipeline): no watch
+            with _NOT_WATCHED if mine or slot is None else watched(lambda: self._waiting_for(step, peer),
+                                                                  self.wait_log_interval):
+                handle.wait()
+        except TimeoutError as exc:
+            raise TimeoutError(f"rank {self.rank}: step {step} waiting on rank {peer} failed: {exc}") from exc
         except WaitAborted:
             raise
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # e.g. the peer's process died and closed the connection
             raise self._peer_error(step, peer, exc) from None
-        with _NOT_WATCHED if done else watched(lambda: self._waiting_for(step, peer), self.wait_log_interval):
-            try:
-                handle.wait()
-            except TimeoutError as exc:
-                raise TimeoutError(f"rank {self.rank}: step {step} waiting on rank {peer} failed: {exc}") from exc
-            except WaitAborted:
-                raise
-            except RuntimeError as exc:  # e.g. the peer's process died and closed the connection
-                raise self._peer_error(step, peer, exc) from None
+        finally:
+            if mine:
+                slot.current = None
 
     def _waiting_for(self, step: MetaStep | None, peer: int | None) -> str:
         """What a blocked wait logs (formatted only then)."""

@@ -4,7 +4,8 @@ A communication wait fails after ``HYPER_PARALLEL_COMM_TIMEOUT`` seconds (defaul
 that, a user looking at a silent job wants to know what it waits for: a wait still blocked after
 ``HYPER_PARALLEL_WAIT_LOG_INTERVAL`` seconds (default 30; 0 turns it off) is logged once, at
 WARNING level on the ``hyper_parallel`` logger. One daemon thread per process looks at the open
-waits; opening and closing a wait only writes a dictionary entry.
+waits; opening and closing a wait only writes a dictionary entry (`watched`), or one attribute of
+a `WaitSlot` that a waiter registered once (the runtime: hundreds of waits per step).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
-from typing import Union
+from typing import Any, Union
 
 _logger = logging.getLogger("hyper_parallel")
 Describe = Union[str, Callable[[], str]]  # what waits; a callable is only called if the wait is logged
@@ -33,9 +35,25 @@ def wait_log_interval() -> float:
     return seconds
 
 
+class WaitSlot:
+    """The current wait of one waiter, watched without an entry per wait: the waiter sets
+    ``current = (time.monotonic(), *what)`` before it blocks and ``None`` after (one attribute
+    store each); a wait still blocked after ``interval`` is logged once, ``describe(*what)``
+    making its text only then. Get one from `wait_slot`."""
+
+    __slots__ = ("current", "interval", "describe", "logged", "__weakref__")
+
+    def __init__(self, describe: Callable[..., str], interval: float) -> None:
+        self.current: tuple[Any, ...] | None = None
+        self.interval = interval
+        self.describe = describe
+        self.logged: float | None = None  # ``current[0]`` of the wait already logged
+
+
 class _Watch:
     def __init__(self) -> None:
         self._open: dict[int, tuple[float, float, Describe]] = {}  # token -> (start, interval, what)
+        self._slots: weakref.WeakSet[WaitSlot] = weakref.WeakSet()
         self._tokens = itertools.count()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -50,6 +68,12 @@ class _Watch:
 
     def close(self, token: int) -> None:
         self._open.pop(token, None)
+
+    def add_slot(self, slot: WaitSlot) -> None:
+        with self._lock:
+            self._slots.add(slot)
+        if self._thread is None:
+            self._start()
 
     def _start(self) -> None:
         with self._lock:
@@ -69,6 +93,18 @@ class _Watch:
                         _logger.warning("hyper_parallel: %s has waited %.0f s so far", text, waited)
                 else:
                     soonest = min(soonest, interval - waited)
+            with self._lock:
+                slots = list(self._slots)
+            for slot in slots:
+                current = slot.current
+                if current is None or current[0] == slot.logged:
+                    continue
+                waited = now - current[0]
+                if waited >= slot.interval:
+                    slot.logged = current[0]
+                    _logger.warning("hyper_parallel: %s has waited %.0f s so far", slot.describe(*current[1:]), waited)
+                else:
+                    soonest = min(soonest, slot.interval - waited)
             self._wake.wait(max(soonest, 0.01))
 
 
@@ -95,3 +131,14 @@ class watched:  # noqa: N801 - used like a function: ``with watched(what):``
     def __exit__(self, *exc: object) -> None:
         if self._token is not None:
             _WATCH.close(self._token)
+
+
+def wait_slot(describe: Callable[..., str], interval: float | None = None) -> WaitSlot | None:
+    """A `WaitSlot` watched from now on (``interval`` None: read ``HYPER_PARALLEL_WAIT_LOG_INTERVAL``);
+    None when the interval is 0 (nothing is watched)."""
+    interval = wait_log_interval() if interval is None else interval
+    if interval <= 0:
+        return None
+    slot = WaitSlot(describe, interval)
+    _WATCH.add_slot(slot)
+    return slot

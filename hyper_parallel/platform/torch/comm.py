@@ -148,6 +148,8 @@ class TorchCommunicator(Communicator):
         self._world = Group(tuple(range(dist.get_world_size())), native=dist.group.WORLD)
         self._gloo_like = dist.get_backend() == "gloo"
         self._meta_groups: dict[tuple[int, ...], Any] = {}  # ranks -> gloo group of the metadata channel
+        # (id(process group), global peer) -> (process group, peer's rank in it), or None: not direct
+        self._targets: dict[tuple[int, int], tuple[Any, int] | None] = {}
 
     @property
     def rank(self) -> int:
@@ -174,9 +176,26 @@ class TorchCommunicator(Communicator):
         return self._world if group is None else group
 
     # P2P ----------------------------------------------------------------------------
+    def _target(self, group: Group | None, peer: int) -> tuple[Any, int] | None:
+        """The process group and the peer's rank in it, for calling the process group directly:
+        ``torch.distributed.isend`` / ``irecv`` resolve both and check the tensor on every call
+        (about twenty Python calls per message, hundreds of messages per pipeline step)."""
+        pg = self._world.native if group is None else group.native
+        key = (id(pg), peer)
+        if key not in self._targets:
+            direct = None
+            if isinstance(pg, dist.ProcessGroup):  # not a group this rank is outside of
+                direct = (pg, peer if pg is self._world.native else dist.get_group_rank(pg, peer))  # holds pg: its id stays its own
+            self._targets[key] = direct
+        return self._targets[key]
+
     def isend(self, tensor: Any, dst: int, group: Group | None = None, tag: int = 0) -> Handle:
         tensor = _local(tensor).contiguous()  # the engines send contiguous memory only
-        work = dist.isend(tensor, dst=dst, group=self._pg(group), tag=tag)
+        target = self._target(group, dst) if type(tensor) is torch.Tensor and not tensor.is_complex() else None
+        if target is not None:  # what torch.distributed.isend ends with, its checks done once
+            work = target[0].send([tensor], target[1], tag)
+        else:
+            work = dist.isend(tensor, dst=dst, group=self._pg(group), tag=tag)
         me = self.rank  # now: when the operation fails, the process group may be gone
         return TorchHandle(work, lambda: f"send from rank {me} to rank {dst}", keep=tensor,
                            stream_wait=not self._gloo_like)
@@ -185,7 +204,11 @@ class TorchCommunicator(Communicator):
         tensor = _local(tensor)  # a torch DTensor receives into its local piece
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self.rank}: a receive buffer must be contiguous")
-        work = dist.irecv(tensor, src=src, group=self._pg(group), tag=tag)
+        target = self._target(group, src) if type(tensor) is torch.Tensor and not tensor.is_complex() else None
+        if target is not None:
+            work = target[0].recv([tensor], target[1], tag)
+        else:
+            work = dist.irecv(tensor, src=src, group=self._pg(group), tag=tag)
         me = self.rank  # now: when the operation fails, the process group may be gone
         return TorchHandle(work, lambda: f"receive on rank {me} from rank {src}",
                            stream_wait=not self._gloo_like)
