@@ -7,13 +7,13 @@ the loss:
    receive is already posted / not yet posted, posting a receive before / after the data arrived,
    and waiting on a receive whose data arrived milliseconds earlier.
 2. **the gap between two compute steps** of the 1F1B sleep workload (4 processes, m = 16, F = 10
-   ms, B = 20 ms, ``bench_schedules``): each stage's sleeps are timed with the one clock of the
+   ms, B = 20 ms, ``bench_schedules``; ours' and torch's steps alternate): each stage's sleeps are timed with the one clock of the
    machine; a compute step whose inputs were already there (its previous local step ended after
    the remote input's producer) shows what the runtime spends between two computes (send, post
    the next receive, wait, forward/backward set-up and tear-down); one waiting on a remote
    input shows that plus the hand-over to the other process.
 
-    .venv/bin/python benchmarks/handover_cost.py [--steps 5]
+    .venv/bin/python benchmarks/handover_cost.py [--steps 10]
 
 Writes benchmarks/results/handover_cost.md.
 """
@@ -68,7 +68,8 @@ def gloo_calls_job(trips: int = 100) -> dict[str, float]:
     return {key: statistics.median(v) * 1e6 for key, v in out.items() if v}
 
 
-def gaps_job(lib: str, m: int = 16, steps: int = 5) -> list[dict[str, list]]:
+def gaps_job(m: int = 16, steps: int = 5) -> dict[str, list[dict[str, list]]]:
+    """Ours and torch's, their steps alternating (who goes first swaps every round)."""
     import torch.distributed as dist
 
     import bench_schedules
@@ -97,17 +98,21 @@ def gaps_job(lib: str, m: int = 16, steps: int = 5) -> list[dict[str, list]]:
 
     bench_schedules.time = _Clock()
     bench_schedules._Sleep.forward = staticmethod(forward_marked)
-    _, step = bench_schedules.build(lib, "Schedule1F1B", bench_schedules._sleep_module(1), m, 1, 16)
-    step()
-    runs = []
-    for _ in range(steps):
-        dist.barrier()
-        events.clear()
+    libs = ("ours", "torch")
+    run = {lib: bench_schedules.build(lib, "Schedule1F1B", bench_schedules._sleep_module(1), m, 1, 16)[1]
+           for lib in libs}
+    for step in run.values():
         step()
-        fwd = [(a, b) for kind, a, b in events if kind == "F"]
-        bwd_sleeps = [(a, b) for kind, a, b in events if kind == "b"]
-        bwd = [(bwd_sleeps[2 * k][0], bwd_sleeps[2 * k + 1][1]) for k in range(len(bwd_sleeps) // 2)]
-        runs.append({"F": fwd, "B": bwd})
+    runs: dict[str, list[dict[str, list]]] = {lib: [] for lib in libs}
+    for r in range(steps):
+        for lib in (libs if r % 2 == 0 else libs[::-1]):
+            dist.barrier()
+            events.clear()
+            run[lib]()
+            fwd = [(a, b) for kind, a, b in events if kind == "F"]
+            bwd_sleeps = [(a, b) for kind, a, b in events if kind == "b"]
+            bwd = [(bwd_sleeps[2 * k][0], bwd_sleeps[2 * k + 1][1]) for k in range(len(bwd_sleeps) // 2)]
+            runs[lib].append({"F": fwd, "B": bwd})
     return runs
 
 
@@ -141,7 +146,7 @@ def main() -> None:
     from bench_common import run_job
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     calls = run_job("handover_cost", "gloo_calls_job", 2, {})
     lines = ["# Hand-over cost: gloo's calls and the gap between two compute steps", "",
@@ -153,8 +158,9 @@ def main() -> None:
     lines += ["", f"## Gaps between compute steps (1F1B sleep workload, 4 processes, m=16, {args.steps} steps, ms)", "",
               "| library | makespan (median) | gaps, input already there: n | median | mean "
               "| gaps after a remote input: n | median | mean |", "|---|---|---|---|---|---|---|---|"]
+    per_rank = run_job("handover_cost", "gaps_job", 4, {"steps": args.steps})
     for lib in ("ours", "torch"):
-        gaps = split_gaps(run_job("handover_cost", "gaps_job", 4, {"lib": lib, "steps": args.steps}))
+        gaps = split_gaps([r[lib] for r in per_rank])
         loc, rem = gaps["local"], gaps["remote"]
         lines.append(f"| {lib} | {statistics.median(gaps['makespan']):.1f} | {len(loc)} | {statistics.median(loc):.3f} "
                      f"| {statistics.mean(loc):.3f} | {len(rem)} | {statistics.median(rem):.3f} | {statistics.mean(rem):.3f} |")

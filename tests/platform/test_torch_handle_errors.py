@@ -47,3 +47,28 @@ def test_failed_p2p_wait_names_both_ranks_after_the_group_is_gone(monkeypatch, o
         handle.wait(None if stream_wait else 1.0)
     assert "rank 3" in str(info.value) and "rank 5" in str(info.value)
     assert "Connection closed by peer" in str(info.value)
+
+
+class _CountingWork:
+    def __init__(self):
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+
+    def is_completed(self):
+        return False  # gloo: a send reports completion only once waited
+
+
+@pytest.mark.parametrize("stream_wait, coalesced, waited", [(False, False, 0), (True, False, 1), (False, True, 1)])
+def test_a_send_the_peer_answered_is_settled_without_a_host_wait_on_gloo_only(stream_wait, coalesced, waited):
+    work = _CountingWork()
+    handle = comm.TorchHandle(work, "send from rank 0 to rank 1", keep=torch.zeros(2), stream_wait=stream_wait)
+    handle.coalesced = coalesced
+    handle.settle_received()
+    assert work.waits == waited
+    assert handle.is_completed()
+    handle.wait()  # settled: a later wait does not wait again
+    assert work.waits == waited
+    if not waited:
+        assert handle._keep is None  # the data went out: the copy it read from is let go

@@ -558,7 +558,11 @@ class PipelineRuntime:
             self.forward_sends[(s, i)] = list(pendings)
             return
         for pending in pendings:  # every send first: one tensor may be sent twice (an output repeated)
-            self._wait(pending.handle, None, None)
+            settle = None if force else getattr(pending.handle, "settle_received", None)
+            if settle is not None:  # the gradient came back: the peer received what these sent
+                settle()
+            else:
+                self._wait(pending.handle, None, None)
         for pending in pendings:
             for t in pending.release:
                 self.p.release_storage(t)

@@ -91,6 +91,16 @@ class TorchHandle(Handle):
     def is_completed(self) -> bool:
         return self._done or bool(self._work.is_completed())
 
+    def settle_received(self) -> None:
+        # gloo (host engine, one request per operation): the data left this process before the peer
+        # could answer, so the wait, which would only report that, is skipped. A device engine waits
+        # (the stream must be ordered after the send); one request for a batch covers its receives too.
+        if self._stream_wait or self.coalesced:
+            self.wait()
+            return
+        self._done = True
+        self._keep = None
+
 
 class _Averaged(Handle):
     """A summing all-reduce that divides by the group size once it completed."""
