@@ -470,8 +470,8 @@ class PipelineRuntime:
             self._wait(h, recv.step, recv.peer)
         if tracer is not None:
             tracer.record(recv.step, "p2p-wait", start, tracer.now())
-        if kind == "B" and self.forward_sends:
-            self.settle_forward_sends(s, i)
+        if kind == "B" and self.forward_sends:  # a gradient that came over the wire answers the sends
+            self.settle_forward_sends(s, i, answered=bool(recv.handles))
         return recv
 
     def _wait(self, handle: Handle, step: MetaStep | None, peer: int | None) -> None:
@@ -546,11 +546,12 @@ class PipelineRuntime:
         while sends and sends[0].handle.is_completed():
             sends.popleft()
 
-    def settle_forward_sends(self, s: int, i: int, force: bool = False) -> None:
+    def settle_forward_sends(self, s: int, i: int, force: bool = False, answered: bool = False) -> None:
         """Wait for the sends of stage s's output of micro-batch i and free what they sent. Called when
         that micro-batch's output gradient has arrived: the peer used the output to compute it, so the
         wait returns at once (some engines report a send completed only once it is waited for, which
-        would otherwise keep every sent output until the end of the run)."""
+        would otherwise keep every sent output until the end of the run). With ``answered`` (gradient
+        tensors came over the wire) a send is settled without a wait where the engine allows."""
         pendings = self.forward_sends.pop((s, i), ())
         if not force and any(getattr(p.handle, "coalesced", False) and not p.handle.is_completed() for p in pendings):
             # one request for a whole batch also covers its receives, which may be posted early for data
@@ -558,8 +559,10 @@ class PipelineRuntime:
             self.forward_sends[(s, i)] = list(pendings)
             return
         for pending in pendings:  # every send first: one tensor may be sent twice (an output repeated)
-            settle = None if force else getattr(pending.handle, "settle_received", None)
-            if settle is not None:  # the gradient came back: the peer received what these sent
+            # ``answered``: the peer sent data computed from these sends, so it received them all; not
+            # when no gradient tensor crossed (a frozen stage's outputs): its receives may not even be posted
+            settle = getattr(pending.handle, "settle_received", None) if answered and not force else None
+            if settle is not None:
                 settle()
             else:
                 self._wait(pending.handle, None, None)
