@@ -167,3 +167,13 @@ if __name__ == "__main__":
         _worker(*sys.argv[2:])
     else:
         sys.exit("usage: bench_common.py --worker MODULE FUNC KWARGS_JSON OUT (started by run_job)")
+
+
+def write_result(path: str, lines: Sequence[str]) -> str:
+    """Write a table of an on-demand benchmark (``benchmarks/results/*.md``), print it and return it."""
+    text = "\n".join(lines) + "\n"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        fh.write(text)
+    print(text)
+    return text

@@ -3,7 +3,7 @@
 Section 1 of ``make bench`` shows both libraries at about 0.9 of the ideal makespan. This splits
 the loss:
 
-1. **gloo's own calls** (2 processes, one 64-byte tensor, median of 100): posting a send when the
+1. **gloo's own calls** (2 processes, one 64-byte tensor, median of 100 trips): posting a send when the
    receive is already posted / not yet posted, posting a receive before / after the data arrived,
    and waiting on a receive whose data arrived milliseconds earlier.
 2. **the gap between two compute steps** of the 1F1B sleep workload (4 processes, m = 16, F = 10
@@ -13,7 +13,7 @@ the loss:
    the next receive, wait, forward/backward set-up and tear-down); one waiting on a remote
    input shows that plus the hand-over to the other process.
 
-    .venv/bin/python benchmarks/handover_cost.py [--steps 10]
+    .venv/bin/python benchmarks/handover_cost.py [--steps 10] [--m 16] [--trips 100] [--out PATH]
 
 Writes benchmarks/results/handover_cost.md.
 """
@@ -143,32 +143,31 @@ def split_gaps(per_rank: list[list[dict[str, list]]]) -> dict[str, list[float]]:
 
 
 def main() -> None:
-    from bench_common import run_job
+    from bench_common import run_job, write_result
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--m", type=int, default=16)
+    parser.add_argument("--trips", type=int, default=100)
+    parser.add_argument("--out", default=RESULTS, help="where the table goes (default: %(default)s)")
     args = parser.parse_args()
-    calls = run_job("handover_cost", "gloo_calls_job", 2, {})
+    calls = run_job("handover_cost", "gloo_calls_job", 2, {"trips": args.trips})
     lines = ["# Hand-over cost: gloo's calls and the gap between two compute steps", "",
-             "## gloo calls (2 processes, 64-byte tensor, median of 100, microseconds)", "",
+             f"## gloo calls (2 processes, 64-byte tensor, median of {args.trips}, microseconds)", "",
              "| call | rank | us |", "|---|---|---|"]
     for rank, result in enumerate(calls):
         for key, value in result.items():
             lines.append(f"| {key} | {rank} | {value:.1f} |")
-    lines += ["", f"## Gaps between compute steps (1F1B sleep workload, 4 processes, m=16, {args.steps} steps, ms)", "",
+    lines += ["", f"## Gaps between compute steps (1F1B sleep workload, 4 processes, m={args.m}, {args.steps} steps, ms)", "",
               "| library | makespan (median) | gaps, input already there: n | median | mean "
               "| gaps after a remote input: n | median | mean |", "|---|---|---|---|---|---|---|---|"]
-    per_rank = run_job("handover_cost", "gaps_job", 4, {"steps": args.steps})
+    per_rank = run_job("handover_cost", "gaps_job", 4, {"steps": args.steps, "m": args.m})
     for lib in ("ours", "torch"):
         gaps = split_gaps([r[lib] for r in per_rank])
         loc, rem = gaps["local"], gaps["remote"]
         lines.append(f"| {lib} | {statistics.median(gaps['makespan']):.1f} | {len(loc)} | {statistics.median(loc):.3f} "
                      f"| {statistics.mean(loc):.3f} | {len(rem)} | {statistics.median(rem):.3f} | {statistics.mean(rem):.3f} |")
-    text = "\n".join(lines) + "\n"
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as fh:
-        fh.write(text)
-    print(text)
+    write_result(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ ways, alternating round by round in one process: plain torch (forward, ``torch.a
 hyper-parallel's stage autograd with the pool (``saved_pool=True``: what the dx/dW split, swap and
 memory accounting need) and without it (what a run of plain forwards and full backwards uses).
 
-    .venv/bin/python benchmarks/saved_pool_cost.py [--rounds 41]
+    .venv/bin/python benchmarks/saved_pool_cost.py [--rounds 41] [--out PATH]
 
 Writes benchmarks/results/saved_pool_cost.md. Read the ratios, not the times.
 """
@@ -20,7 +20,10 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_common import write_result  # noqa: E402
 
 from hyper_parallel.demo.gpt import GPTConfig, init_gpt_weights  # noqa: E402
 from hyper_parallel.demo.gpt_torch import GPTStage  # noqa: E402
@@ -75,6 +78,7 @@ def measure(rounds: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--out", default=RESULTS, help="where the table goes (default: %(default)s)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = measure(args.rounds)
@@ -89,11 +93,7 @@ def main() -> None:
     for row in rows:
         lines.append(f"| {row['blocks']} | {row['saved']} | {row['torch']:.3f} | {row['pool']:.3f} | {row['no pool']:.3f} "
                      f"| {row['pool'] / row['torch']:.3f} | {row['no pool'] / row['torch']:.3f} |")
-    text = "\n".join(lines) + "\n"
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as fh:
-        fh.write(text)
-    print(text)
+    write_result(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -47,3 +47,20 @@ def test_smoke_bench_writes_every_section(tmp_path):
         assert title in text, f"results.md lacks the {title} table"
     for name in SCHEDULES:
         assert f"| {name} |" in text
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("script, args, rows", [
+    ("saved_pool_cost.py", ["--rounds", "1"], ["| 2 | ", "| 4 | "]),
+    ("handover_cost.py", ["--steps", "2", "--m", "4", "--trips", "3"],
+     ["| send, receive posted | 0 |", "| wait, data arrived | 1 |", "| ours | ", "| torch | "]),
+])
+def test_on_demand_benchmarks_write_their_tables(tmp_path, script, args, rows):
+    out = tmp_path / "table.md"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args, "--out", str(out)],
+                          capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    text = out.read_text()
+    for row in rows:
+        assert row in text, f"{script}: no row {row!r} in\n{text}"
