@@ -186,10 +186,13 @@ class TorchCommunicator(Communicator):
         return self._world if group is None else group
 
     # P2P ----------------------------------------------------------------------------
-    def _target(self, group: Group | None, peer: int) -> tuple[Any, int] | None:
+    def _target(self, group: Group | None, peer: int, tensor: Any) -> tuple[Any, int] | None:
         """The process group and the peer's rank in it, for calling the process group directly:
         ``torch.distributed.isend`` / ``irecv`` resolve both and check the tensor on every call
-        (about twenty Python calls per message, hundreds of messages per pipeline step)."""
+        (about twenty Python calls per message, hundreds of messages per pipeline step). None
+        (go through ``torch.distributed``) for a tensor subclass or a complex tensor."""
+        if type(tensor) is not torch.Tensor or tensor.is_complex():
+            return None
         pg = self._world.native if group is None else group.native
         key = (id(pg), peer)
         if key not in self._targets:
@@ -201,7 +204,7 @@ class TorchCommunicator(Communicator):
 
     def isend(self, tensor: Any, dst: int, group: Group | None = None, tag: int = 0) -> Handle:
         tensor = _local(tensor).contiguous()  # the engines send contiguous memory only
-        target = self._target(group, dst) if type(tensor) is torch.Tensor and not tensor.is_complex() else None
+        target = self._target(group, dst, tensor)
         if target is not None:  # what torch.distributed.isend ends with, its checks done once
             work = target[0].send([tensor], target[1], tag)
         else:
@@ -214,7 +217,7 @@ class TorchCommunicator(Communicator):
         tensor = _local(tensor)  # a torch DTensor receives into its local piece
         if not tensor.is_contiguous():
             raise ValueError(f"rank {self.rank}: a receive buffer must be contiguous")
-        target = self._target(group, src) if type(tensor) is torch.Tensor and not tensor.is_complex() else None
+        target = self._target(group, src, tensor)
         if target is not None:
             work = target[0].recv([tensor], target[1], tag)
         else:
