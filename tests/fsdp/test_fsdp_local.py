@@ -11,7 +11,19 @@ import sys
 
 import numpy as np
 import pytest
-from dp_harness import TOL, Config, Trainer, arm_failure, full_value, merged_params, oracle, replica_losses
+from dp_harness import (
+    TOL,
+    UNUSED,
+    Config,
+    Trainer,
+    arm_failure,
+    check_clip,
+    clip_checks,
+    full_value,
+    merged_params,
+    oracle,
+    replica_losses,
+)
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import data_parallel
@@ -150,6 +162,54 @@ def _check_tied(cfg: Config, results: list[dict]) -> None:
 def test_torch_tied_weight_failed_run_and_global_clipping(mode):
     cfg = Config(mode=mode, tie=True)
     _check_tied(cfg, LocalCluster(4).run(_tied_rank, mode, "torch"))
+
+
+def _clip_rank(mode: str) -> dict:
+    trainer = Trainer(Config(mode=mode))
+    trainer.run(0)
+    out = clip_checks(trainer)
+    try:  # bare parameters say nothing of the replicas: sharded ones cannot be counted
+        hp.clip_grad_norm_(trainer.params, 1.0)
+        out["iterable"] = None
+    except ValueError as exc:
+        out["iterable"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+def test_torch_clip_without_mesh_every_norm_type_and_non_finite_on_one_rank(mode):
+    """Without mesh= the schedule's data-parallel mesh is used: the whole model's norm on every rank, for
+    norm types 2, 1, 3 and inf, as torch's clip_grad_norm_ gives; a nan or an inf on one rank is seen by all."""
+    results = LocalCluster(4).run(_clip_rank, mode)
+    check_clip(results, oracle(Config(mode=mode, steps=1))[2][0], TOL["torch"])
+    messages = [r["iterable"] for r in results]
+    if mode == "fsdp":
+        assert all(m and "is cut into 2 shards" in m and "pass mesh=" in m for m in messages), messages
+    else:
+        assert messages == [None] * 4
+
+
+def _unused_rank(cfg: Config) -> dict:
+    trainer = Trainer(cfg)
+    losses = trainer.train(range(cfg.steps))
+    return {"losses": losses, "params": trainer.full_params(), "grads": sorted(trainer.full_grads()),
+            "dp": trainer.dp_index, "pp": trainer.pp}
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+def test_torch_unused_parameter_keeps_no_gradient_and_adamw_leaves_it(mode):
+    """A parameter no replica uses keeps grad None (AdamW's weight decay leaves it, as on one rank); one only
+    the first replica uses gets the average with zeros from the other: both as the non-parallel step."""
+    cfg = Config(mode=mode, extra={"unused": True, "adamw": 0.1})
+    results = LocalCluster(4).run(_unused_rank, cfg)
+    _check_training(cfg, results)
+    last = [r for r in results if r["pp"] == cfg.pp - 1]
+    for r in last:
+        assert "never" not in r["grads"] and "never_row" not in r["grads"], r["grads"]
+        assert "sometimes" in r["grads"] and "sometimes_row" in r["grads"], r["grads"]
+    params = merged_params(results)
+    for name in ("never", "never_row"):
+        np.testing.assert_array_equal(params[name], np.full(UNUSED[name], 0.5, np.float32), err_msg=name)
 
 
 def _eval_rank() -> list[float]:
