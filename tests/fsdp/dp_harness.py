@@ -10,8 +10,9 @@ between pipeline splits. Both frameworks; the oracle is the whole model on one r
 ``Config(extra={"unused": True})`` (torch) gives the last stage parameters that no rank uses
 (``never``: shardable, ``never_row``: kept whole by this library's FSDP) and two that only the first
 replica's micro-batches use (``sometimes``, ``sometimes_row``) — ``"unused": "never"`` only the
-first two (torch's FSDP2 cannot reduce a gradient only some replicas have); ``extra={"adamw": wd}`` trains with
-AdamW and that weight decay instead of Adam.
+first two (torch's FSDP2 cannot reduce a gradient only some replicas have); ``extra={"adamw": wd}``
+trains with AdamW and that weight decay instead of Adam; ``extra={"dp_mesh_only": True}`` gives
+``data_parallel`` the 1-D ``dp`` sub-mesh instead of the whole mesh.
 """
 
 from __future__ import annotations
@@ -299,7 +300,8 @@ def build(cfg: Config, mesh: Any, stage_indices: list[int]) -> tuple[list[Any], 
     loss = torch_mse if cfg.framework == "torch" else ms_mse
     schedule = cls(stages if len(stages) > 1 else stages[0], cfg.micro, loss_fn=loss)
     if cfg.mode != "none":
-        hp.data_parallel(schedule, mesh, lookahead=cfg.lookahead)
+        dp_mesh = mesh["dp"] if cfg.extra.get("dp_mesh_only") else mesh  # a 1-D mesh of the replicas
+        hp.data_parallel(schedule, dp_mesh, lookahead=cfg.lookahead)
     return stages, schedule
 
 

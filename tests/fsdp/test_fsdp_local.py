@@ -164,8 +164,8 @@ def test_torch_tied_weight_failed_run_and_global_clipping(mode):
     _check_tied(cfg, LocalCluster(4).run(_tied_rank, mode, "torch"))
 
 
-def _clip_rank(mode: str) -> dict:
-    trainer = Trainer(Config(mode=mode))
+def _clip_rank(mode: str, dp_mesh_only: bool = False) -> dict:
+    trainer = Trainer(Config(mode=mode, extra={"dp_mesh_only": dp_mesh_only}))
     trainer.run(0)
     out = clip_checks(trainer)
     try:  # bare parameters say nothing of the replicas: sharded ones cannot be counted
@@ -176,11 +176,12 @@ def _clip_rank(mode: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "dp"])
-def test_torch_clip_without_mesh_every_norm_type_and_non_finite_on_one_rank(mode):
-    """Without mesh= the schedule's data-parallel mesh is used: the whole model's norm on every rank, for
-    norm types 2, 1, 3 and inf, as torch's clip_grad_norm_ gives; a nan or an inf on one rank is seen by all."""
-    results = LocalCluster(4).run(_clip_rank, mode)
+@pytest.mark.parametrize("mode,dp_mesh_only", [("fsdp", False), ("dp", False), ("fsdp", True)])
+def test_torch_clip_without_mesh_every_norm_type_and_non_finite_on_one_rank(mode, dp_mesh_only):
+    """Without mesh= the schedule's data-parallel mesh is used (given whole, or only its dp dimension):
+    the whole model's norm on every rank, for norm types 2, 1, 3 and inf, as torch's clip_grad_norm_
+    gives; a nan or an inf on one rank is seen by all."""
+    results = LocalCluster(4).run(_clip_rank, mode, dp_mesh_only)
     check_clip(results, oracle(Config(mode=mode, steps=1))[2][0], TOL["torch"])
     messages = [r["iterable"] for r in results]
     if mode == "fsdp":
