@@ -8,7 +8,8 @@ result equals ``torch.nn.utils.clip_grad_norm_`` on the non-pipelined model, and
 every rank, so a non-finite norm is seen everywhere and every rank skips the same step.
 
 The ranks the norm is summed over: ``mesh=`` when given; else, for a schedule that
-``data_parallel`` made a replica, the mesh given to ``data_parallel``; else the schedule's pipeline
+``data_parallel`` made a replica, the mesh given to ``data_parallel`` (either mesh, without a ``pp``
+dimension and with a schedule: the pipeline group, then that mesh); else the schedule's pipeline
 group (an iterable of parameters: the world), where every rank holds different parameters — a
 sharded parameter there raises on every rank rather than count a shard as the whole.
 
@@ -71,19 +72,22 @@ def _mesh_span(mesh: DeviceMesh) -> tuple[Group, int]:
 
 def _span(mesh: DeviceMesh | None, schedule: Any) -> _Span:
     p = get_platform()
-    if mesh is not None:
-        group, replicas = _mesh_span(mesh)
-        return _Span([group], replicas, "the mesh given")
     pipeline = schedule.group if schedule is not None else None
-    state = data_parallel_state(schedule) if schedule is not None else None
+    source = "the mesh given"
+    state = data_parallel_state(schedule) if schedule is not None and mesh is None else None
     if state is not None:
-        dp_mesh = state.mesh
-        group, replicas = _mesh_span(dp_mesh)
-        if "pp" in dp_mesh.mesh_dim_names:
-            return _Span([group], replicas, "the mesh given to data_parallel")
-        # a mesh of the replicas only: sum over the pipeline, then over the replicas
-        return _Span([pipeline, group], dp_mesh.size(), "the pipeline group and the mesh given to data_parallel")
-    return _Span([pipeline or p.world_group], 1, "the pipeline group" if pipeline is not None else "the world")
+        mesh, source = state.mesh, "the mesh given to data_parallel"
+    if mesh is None:
+        return _Span([pipeline or p.world_group], 1, "the pipeline group" if pipeline is not None else "the world")
+    group, replicas = _mesh_span(mesh)
+    if "pp" in mesh.mesh_dim_names or pipeline is None or pipeline.size == 1:
+        return _Span([group], replicas, source)
+    # a mesh of the replicas only: sum over the pipeline, then over the replicas
+    stages = sorted(set(mesh.ranks) & set(pipeline.ranks))
+    if stages != [p.rank]:
+        raise ValueError(f"rank {p.rank}: {source} has no 'pp' dimension but holds ranks {stages} of the pipeline "
+                         f"{list(pipeline.ranks)}: pass the job's mesh with its 'pp' dimension")
+    return _Span([pipeline, group], mesh.size(), f"the pipeline group and {source}")
 
 
 def _shards(param: Any) -> int:

@@ -190,6 +190,36 @@ def test_torch_clip_without_mesh_every_norm_type_and_non_finite_on_one_rank(mode
         assert messages == [None] * 4
 
 
+def _dp_mesh_clip_rank(mode: str) -> dict:
+    trainer = Trainer(Config(mode=mode, extra={"dp_mesh_only": True}))
+    trainer.run(0)
+    p = get_platform()
+    dp_mesh = trainer.mesh["dp"]
+    out = {"norm": hp.clip_grad_norm_(trainer.schedule, 1e9), "dp_mesh": hp.clip_grad_norm_(trainer.schedule, 1e9,
+                                                                                              mesh=dp_mesh)}
+    if p.rank == 3:  # a nan on one rank of the other stage than rank 0's
+        grad = next(p.get_grad(q) for q in trainer.params if p.get_grad(q) is not None)
+        p.local_tensor(grad).view(-1)[0] = float("nan")
+    out["finite"] = hp.grads_are_finite(trainer.schedule, mesh=dp_mesh)
+    try:  # a 1-D mesh over every rank, not naming its pipeline dimension: it cannot say which ranks are replicas
+        hp.clip_grad_norm_(trainer.schedule, 1.0, mesh=hp.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
+        out["world"] = None
+    except ValueError as exc:
+        out["world"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+def test_torch_clip_with_the_dp_mesh_given_to_data_parallel(mode):
+    """mesh= the 1-D dp mesh data_parallel got (no 'pp' dimension): summed over the pipeline too, as without
+    mesh= (each pipeline rank used to get the norm of its own stage only, and clip by its own coefficient);
+    grads_are_finite sees a nan on the other stage; a mesh without 'pp' spanning the pipeline raises."""
+    results = LocalCluster(4).run(_dp_mesh_clip_rank, mode)
+    assert [r["dp_mesh"] for r in results] == [results[0]["norm"]] * 4, results
+    assert [r["finite"] for r in results] == [False] * 4
+    assert all(r["world"] and "has no 'pp' dimension" in r["world"] for r in results), [r["world"] for r in results]
+
+
 def _unused_rank(cfg: Config) -> dict:
     trainer = Trainer(cfg)
     losses = trainer.train(range(cfg.steps))
