@@ -11,7 +11,9 @@ The ranks the norm is summed over: ``mesh=`` when given; else, for a schedule th
 ``data_parallel`` made a replica, the mesh given to ``data_parallel`` (either mesh, without a ``pp``
 dimension and with a schedule: the pipeline group, then that mesh); else the schedule's pipeline
 group (an iterable of parameters: the world), where every rank holds different parameters — a
-sharded parameter there raises on every rank rather than count a shard as the whole.
+sharded parameter there raises on every rank rather than count a shard as the whole, as does one
+averaged over data-parallel replicas (an iterable of a replica's parameters) rather than count it
+once per replica.
 
 One all-reduce carries three numbers per rank: the rank's sum of ``|g| ** p`` (or its largest
 ``|g|``), a flag for a ``nan`` it saw, and a flag for a parameter whose shards the ranks summed over
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyper_parallel.core.device_mesh import DeviceMesh
+from hyper_parallel.core.fully_shard import grad_sync
 from hyper_parallel.core.fully_shard.data_parallel import data_parallel_state
 from hyper_parallel.core.fully_shard.sharded import state_of
 from hyper_parallel.platform import get_platform
@@ -39,6 +42,7 @@ class _Span:
     groups: list[Group]
     replicas: int
     source: str
+    assumed: bool = False  # replicas is not known but assumed (1: every rank holds different parameters)
 
 
 def _parameters(parameters: Any) -> tuple[list[Any], dict[int, int], Any]:
@@ -78,7 +82,8 @@ def _span(mesh: DeviceMesh | None, schedule: Any) -> _Span:
     if state is not None:
         mesh, source = state.mesh, "the mesh given to data_parallel"
     if mesh is None:
-        return _Span([pipeline or p.world_group], 1, "the pipeline group" if pipeline is not None else "the world")
+        return _Span([pipeline or p.world_group], 1, "the pipeline group" if pipeline is not None else "the world",
+                     assumed=True)
     group, replicas = _mesh_span(mesh)
     if "pp" in mesh.mesh_dim_names or pipeline is None or pipeline.size == 1:
         return _Span([group], replicas, source)
@@ -95,6 +100,12 @@ def _shards(param: Any) -> int:
     if state is not None and any(e.param is param for e in state.sharded):
         return state.size
     return get_platform().native_shard_count(param)
+
+
+def _replicas_of(param: Any) -> int:
+    """How many data-parallel replicas average ``param``'s gradient (this library's DP and FSDP), else 1."""
+    state = state_of(param)
+    return state.size if state is not None else getattr(param, grad_sync.ATTR, 1)
 
 
 def _reduce(values: list[float], op: str, span: _Span) -> list[float]:
@@ -115,8 +126,10 @@ def _global_norm(params: list[Any], names: dict[int, str], ties: dict[int, int],
         if grad is None:
             continue
         shards = _shards(param)
-        if span.replicas % shards and misfit is None:
-            misfit = (f"rank {p.rank}: parameter {names.get(id(param), '?')!r} is cut into {shards} shards, but "
+        replicated = _replicas_of(param) if span.assumed and shards == 1 else 1
+        if (span.replicas % shards or replicated > 1) and misfit is None:
+            what = f"is cut into {shards} shards" if shards > 1 else f"is averaged over {replicated} data-parallel replicas"
+            misfit = (f"rank {p.rank}: parameter {names.get(id(param), '?')!r} {what}, but "
                       f"clip_grad_norm_ sums over {span.source}, where each stage has {span.replicas} holder(s); "
                       "pass mesh= (the job's mesh, with its 'pp' and data-parallel dimensions)")
         value = p.norm_pow_sum([grad], norm_type)
@@ -156,8 +169,8 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, *,
     iterable of parameters. ``mesh`` is the job's mesh: a ``"pp"`` dimension holds different stages,
     every other dimension replicas (or, for fully sharded parameters, shards) of the same ones.
     Without it, a schedule made a replica by ``data_parallel`` uses the mesh given there; any other
-    schedule sums over its pipeline group (an iterable: the world), and a sharded parameter then
-    raises ``ValueError`` on every rank. A non-finite norm leaves the gradients untouched (skip the
+    schedule sums over its pipeline group (an iterable: the world), and a sharded parameter, or one
+    averaged over data-parallel replicas, then raises ``ValueError`` on every rank. A non-finite norm leaves the gradients untouched (skip the
     step), or raises ``RuntimeError`` on every rank with ``error_if_nonfinite``.
     """
     norm_type = float(norm_type)

@@ -184,10 +184,36 @@ def test_torch_clip_without_mesh_every_norm_type_and_non_finite_on_one_rank(mode
     results = LocalCluster(4).run(_clip_rank, mode, dp_mesh_only)
     check_clip(results, oracle(Config(mode=mode, steps=1))[2][0], TOL["torch"])
     messages = [r["iterable"] for r in results]
-    if mode == "fsdp":
-        assert all(m and "is cut into 2 shards" in m and "pass mesh=" in m for m in messages), messages
-    else:
-        assert messages == [None] * 4
+    if mode == "fsdp":  # each rank names its first parameter that cannot be counted: cut, or kept whole
+        assert all(m and ("is cut into 2 shards" in m or "is averaged over 2 data-parallel replicas" in m)
+                   and "pass mesh=" in m for m in messages), messages
+        assert "is cut into 2 shards" in messages[0], messages
+    else:  # the iterable summed over the world counted every replica of a replicated gradient (sqrt(2) x the norm)
+        assert all(m and "is averaged over 2 data-parallel replicas" in m and "pass mesh=" in m for m in messages), \
+            messages
+
+
+def _whole_params_iterable_rank() -> str | None:
+    import torch
+
+    mesh = hp.init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
+    module = torch.nn.Linear(3, 3)  # dimension 0 of 3 does not divide by 2: this library's FSDP keeps both whole
+    hp.fully_shard(module, mesh)
+    schedule = hp.ScheduleGPipe(hp.PipelineStage(module, 0, 1, mesh=mesh), 2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    hp.data_parallel(schedule, mesh)
+    schedule.run(torch.ones(4, 3) * (mesh.get_local_rank("dp") + 1), target=torch.zeros(4, 3))
+    try:
+        hp.clip_grad_norm_(schedule.parameters(), 1e9)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_torch_clip_iterable_of_fsdp_parameters_kept_whole():
+    """An iterable of a fully sharded stage's parameters that stay whole (averaged over the replicas, not cut):
+    summed over the world they used to count once per replica, silently; they raise as sharded ones do."""
+    messages = LocalCluster(2).run(_whole_params_iterable_rank)
+    assert all(m and "is averaged over 2 data-parallel replicas" in m for m in messages), messages
 
 
 def _dp_mesh_clip_rank(mode: str) -> dict:

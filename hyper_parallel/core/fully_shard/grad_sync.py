@@ -19,6 +19,8 @@ from typing import Any
 
 from hyper_parallel.platform.base import Group, Handle, Platform
 
+ATTR = "_hyper_parallel_replicas"  # set on each parameter of a bucket: the number of replicas it is averaged over
+
 
 def _numel(shape: Sequence[int]) -> int:
     n = 1
@@ -34,6 +36,8 @@ class GradBucket:
         self.p = platform
         self.params = list(params)
         self.group = group
+        for param in self.params:
+            setattr(param, ATTR, group.size)
         self._prior: dict[int, Any] = {}
         self._pending: list[tuple[list[Any], Any, Handle]] = []  # (params, flat buffer, handle)
 
