@@ -15,6 +15,12 @@ outermost-first, so the mesh dims two layouts share as a common outer prefix sta
 rest is gathered (inner first) and then split again (outer first). Redistributing *to* a pending
 reduction is refused (as torch does): nothing produces a Partial except the user's own computation.
 
+Pending reductions of different kinds on several mesh dims (``Partial(sum)`` over ``dp``,
+``Partial(max)`` over ``tp``) mean nothing without an order when the kinds do not commute (the sum
+of maxima is not the maximum of sums): a move that finishes such reductions together is refused
+(:func:`check_finishable`); finishing them one move at a time says the order. ``sum`` and ``avg``
+commute (both linear), as does any kind with itself.
+
 :func:`run` executes a plan with the platform collectives, or hands the whole move to the
 framework's own distributed tensor when the platform has one (torch jobs).
 """
@@ -61,6 +67,23 @@ def check_compatible(src: Layout, dst: Layout) -> None:
         raise ValueError(f"the target layout describes {dst.ndim} tensor dims, the tensor has {src.ndim}")
 
 
+_LINEAR_OPS = frozenset({"sum", "avg"})
+
+
+def check_finishable(src: Layout, dst: Layout) -> None:
+    """Refuse a move that finishes pending reductions whose kinds do not commute (see the module docstring)."""
+    finished = {src.alias_name[m]: a for m, (a, b) in enumerate(zip(src._partial, dst._partial, strict=True))
+                if a is not None and b is None}
+    kinds = set(finished.values())
+    if len(kinds) > 1 and not kinds <= _LINEAR_OPS:
+        which = ", ".join(f"Partial({op}) over {name!r}" for name, op in finished.items())
+        raise ValueError(
+            f"cannot finish {which} in one redistribute: these reductions do not commute, so the result "
+            "would depend on their order; finish one mesh dim at a time (e.g. keep the others Partial) "
+            "in the order you mean"
+        )
+
+
 def plan(src: Layout, dst: Layout) -> list[Step]:
     """The steps that move a local piece from layout ``src`` to ``dst`` (see the module docstring)."""
     check_compatible(src, dst)
@@ -72,6 +95,7 @@ def plan(src: Layout, dst: Layout) -> list[Step]:
                 f"cannot redistribute to Partial({b}) on mesh dim {src.alias_name[m]!r} (the tensor is {have}): "
                 "a pending reduction only comes from local computation (use DTensor.from_local)"
             )
+    check_finishable(src, dst)
     gathers: list[tuple[int, int]] = []  # (mesh dim, tensor dim), in execution order
     slices: dict[int, list[int]] = {}  # tensor dim -> mesh dims to split it over, outer first
     for d, (s, t) in enumerate(zip(src.shard_dims, dst.shard_dims, strict=True)):
@@ -126,6 +150,8 @@ def placement_descs(layout: Layout) -> tuple[tuple[Any, ...], ...]:
 def _native_ok(platform: Platform, mesh: DeviceMesh, src: Layout, dst: Layout) -> bool:
     if not platform.native_dtensor_available() or not mesh.lines_ascending():
         return False
+    if len({op for op in src._partial if op is not None}) > 1:
+        return False  # torch refuses (or, in some versions, miscomputes) mixed kinds: ours does them
     for layout in (src, dst):
         if any(list(dims) != sorted(dims) for dims in layout.shard_dims):
             return False

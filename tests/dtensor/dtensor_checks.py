@@ -209,3 +209,72 @@ def mesh_1d(n: int) -> DeviceMesh:
 def mesh_reversed() -> DeviceMesh:
     """A 2x2 mesh whose lines list ranks in decreasing order: group order differs from mesh order."""
     return DeviceMesh(get_platform().device_type, [[3, 2], [1, 0]], mesh_dim_names=("dp", "tp"))
+
+
+# ------------------------------------------------------------------ pending reductions of several kinds
+_NP_REDUCE = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}
+ALL_OPS = ("sum", "avg", "max", "min")
+
+
+def commute(ops: Sequence[str]) -> bool:
+    """Whether reductions of these kinds give the same result in any order (written from their definition)."""
+    kinds = set(ops)
+    return len(kinds) <= 1 or kinds <= {"sum", "avg"}
+
+
+def _rank_values(mesh: DeviceMesh, seed: int) -> np.ndarray:
+    """Values of shape mesh.shape + GLOBAL_SHAPE: every rank's local piece, none derived from another
+    (so reductions of different kinds over the two mesh dims give different results in either order)."""
+    return np.random.default_rng(seed).standard_normal((*mesh.shape, *GLOBAL_SHAPE)).astype(np.float32)
+
+
+def check_mixed_partials(mesh: DeviceMesh, seed: int = 5) -> list[str]:
+    """Every source with a pending reduction (any kinds, 2-D mesh) to every target without one: moves
+    that finish reductions which do not commute raise ValueError (before any communication, on every
+    rank); the others give the reference. Then the same reductions finished one mesh dim at a time,
+    in each order, with rank values that make the order matter: the result is that order's."""
+    p = get_platform()
+    failures: list[str] = []
+    plain = [Shard(0), Shard(1), Replicate()]
+    srcs = [s for s in itertools.product([*plain, *(Partial(op) for op in ALL_OPS)], repeat=2)
+            if any(isinstance(x, Partial) for x in s)]
+    full = global_array(seed)
+    coord = mesh.get_coordinate()
+    for src in srcs:
+        ops = [x.reduce_op for x in src if isinstance(x, Partial)]
+        for dst in itertools.product(plain, repeat=2):
+            dt = DTensor.from_local(p.from_numpy(make_local(full, mesh, src)), mesh, list(src))
+            try:
+                got = p.to_numpy(dt.redistribute(mesh, list(dst)).to_local())
+            except ValueError as exc:
+                if commute(ops) or "do not commute" not in str(exc):
+                    failures.append(f"{src} -> {dst}: {exc}")
+                continue
+            if not commute(ops):
+                failures.append(f"{src} -> {dst}: finished reductions that do not commute without an error")
+            elif not _close(got, ref_piece(full, mesh.shape, coord, shard_lists(dst, full.ndim))):
+                failures.append(f"{src} -> {dst}: local piece differs from the reference")
+    values = _rank_values(mesh, seed)
+    mine = values[tuple(coord)]
+    for a, b in itertools.product(ALL_OPS, repeat=2):
+        if commute([a, b]):
+            continue
+        src = (Partial(a), Partial(b))
+        for first in (0, 1):  # the mesh dim finished first
+            other = 1 - first
+            ref = _NP_REDUCE[src[other].reduce_op](_NP_REDUCE[src[first].reduce_op](values, axis=first), axis=0)
+            for middle_kind in (Replicate(), Shard(0)):
+                middle = [None, None]
+                middle[first], middle[other] = middle_kind, src[other]
+                for dst in ((Replicate(), Replicate()), (Shard(0), Shard(1)), (Shard(1), Replicate())):
+                    dt = DTensor.from_local(p.from_numpy(mine.copy()), mesh, list(src))
+                    try:
+                        out = dt.redistribute(mesh, middle).redistribute(mesh, list(dst))
+                        got = p.to_numpy(out.to_local())
+                    except Exception as exc:  # noqa: BLE001 - reported as a failure
+                        failures.append(f"{src} -> {middle} -> {dst}: {type(exc).__name__}: {exc}")
+                        continue
+                    want = ref_piece(ref.astype(np.float32), mesh.shape, coord, shard_lists(dst, full.ndim))
+                    if not _close(got, want):
+                        failures.append(f"{src} -> {middle} -> {dst}: differs from mesh dim {first} reduced first")
+    return failures

@@ -18,6 +18,7 @@ from dtensor_checks import (  # noqa: E402
     check_distribute,
     check_errors,
     check_layouts,
+    check_mixed_partials,
     check_redistribute,
     global_array,
     mesh_1d,
@@ -39,6 +40,7 @@ def dtensor_checks() -> list[str]:
         + check_redistribute(line, all_pairs(1, ("sum", "avg", "max", "min")))
         + check_redistribute(mesh_reversed(), all_pairs(2))
         + check_grads(mesh_reversed(), all_pairs(2)[::7])
+        + check_mixed_partials(mesh)
         + check_layouts(mesh)
         + check_errors(mesh)
         + check_distribute(mesh)

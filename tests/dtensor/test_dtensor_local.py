@@ -9,6 +9,7 @@ from dtensor_checks import (
     check_distribute,
     check_errors,
     check_layouts,
+    check_mixed_partials,
     check_redistribute,
     mesh_1d,
     mesh_2x2,
@@ -53,6 +54,12 @@ def _torch_all():
         + check_grads(line, all_pairs(1))
         + check_full_tensor_grad(mesh)
     )
+
+
+def test_torch_pending_reductions_of_several_kinds():
+    """Finishing reductions that do not commute in one move is refused; one mesh dim at a time is exact."""
+    for rank, failures in enumerate(LocalCluster(4, platform="torch").run(lambda: check_mixed_partials(mesh_2x2()))):
+        assert failures == [], f"rank {rank}:\n" + "\n".join(failures)
 
 
 def test_torch_every_pair_and_gradient():

@@ -6,6 +6,13 @@ split evenly: torch's FSDP pads it, this library's implementation keeps it whole
 head uses the embedding's weight (``shared_parameters`` across the first and the last stage).
 Each stage module keeps the names the whole model gives its parameters, so checkpoints reshard
 between pipeline splits. Both frameworks; the oracle is the whole model on one rank.
+
+``Config(extra={"unused": True})`` (torch) gives the last stage parameters that no rank uses
+(``never``: shardable, ``never_row``: kept whole by this library's FSDP) and two that only the first
+replica's micro-batches use (``sometimes``, ``sometimes_row``) — ``"unused": "never"`` only the
+first two (torch's FSDP2 cannot reduce a gradient only some replicas have); ``extra={"adamw": wd}``
+trains with AdamW and that weight decay instead of Adam; ``extra={"dp_mesh_only": True}`` gives
+``data_parallel`` the 1-D ``dp`` sub-mesh instead of the whole mesh.
 """
 
 from __future__ import annotations
@@ -71,11 +78,15 @@ def stage_parts(stage: int, num_stages: int) -> tuple[bool, list[int], bool]:
 
 
 # --------------------------------------------------------------------------------------------- torch
-def torch_module(stage: int, num_stages: int, w: dict[str, np.ndarray], tie: bool) -> Any:
+UNUSED = {"never": (WIDTH, WIDTH), "never_row": (1, WIDTH), "sometimes": (WIDTH,), "sometimes_row": (1, WIDTH)}
+
+
+def torch_module(stage: int, num_stages: int, w: dict[str, np.ndarray], tie: bool, unused: bool | str = False) -> Any:
     import torch
     from torch import nn
 
     first, layers, last = stage_parts(stage, num_stages)
+    extra = {k: v for k, v in UNUSED.items() if unused is True or k.startswith("never")} if unused and last else {}
 
     class StageNet(nn.Module):
         def __init__(self) -> None:
@@ -88,10 +99,14 @@ def torch_module(stage: int, num_stages: int, w: dict[str, np.ndarray], tie: boo
                 self.gain = nn.Parameter(torch.ones(1, WIDTH))
             if first and last and tie:
                 self.head.weight = self.embed.weight
+            for name, shape in extra.items():
+                setattr(self, name, nn.Parameter(torch.full(shape, 0.5)))
+            self.replica = 0  # the data-parallel replica this copy runs (only the first uses "sometimes")
             with torch.no_grad():
                 for name, param in self.named_parameters():
                     source = "embed.weight" if tie and name == "head.weight" else name
-                    param.copy_(torch.from_numpy(w[source]))
+                    if name not in extra:
+                        param.copy_(torch.from_numpy(w[source]))
 
         def forward(self, x: Any) -> Any:
             if first:
@@ -100,9 +115,19 @@ def torch_module(stage: int, num_stages: int, w: dict[str, np.ndarray], tie: boo
                 x = torch.tanh(self.layers[str(g)](x))
             if last:
                 x = self.head(x) * self.gain
+            if "sometimes" in extra and self.replica == 0:
+                x = x + self.sometimes + self.sometimes_row
             return x
 
     return StageNet()
+
+
+def torch_optimizer(cfg: Config, params: Any) -> Any:
+    import torch
+
+    if "adamw" in cfg.extra:
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.extra["adamw"])
+    return torch.optim.Adam(params, lr=cfg.lr)
 
 
 def torch_mse(out: Any, target: Any) -> Any:
@@ -114,8 +139,8 @@ def torch_oracle(cfg: Config) -> tuple[list[list[float]], dict[str, np.ndarray],
     the last step; the gradients of every step (before its optimizer step)."""
     import torch
 
-    model = torch_module(0, 1, weights(), cfg.tie)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    model = torch_module(0, 1, weights(), cfg.tie, unused=cfg.extra.get("unused", False))
+    opt = torch_optimizer(cfg, model.parameters())
     per_replica = cfg.batch // cfg.dp
     per_micro = per_replica // cfg.micro
     losses, grads = [], []
@@ -124,13 +149,14 @@ def torch_oracle(cfg: Config) -> tuple[list[list[float]], dict[str, np.ndarray],
         opt.zero_grad()
         step_losses, total = [], 0.0
         for d in range(cfg.dp):
+            model.replica = d
             for i in range(cfg.micro):
                 rows = slice(d * per_replica + i * per_micro, d * per_replica + (i + 1) * per_micro)
                 loss = torch_mse(model(x[rows]), y[rows])
                 step_losses.append(float(loss.detach()))
                 total = total + loss / (cfg.dp * cfg.micro)
         total.backward()
-        grads.append({n: p.grad.numpy().copy() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         losses.append(step_losses)
     params = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
@@ -259,7 +285,9 @@ def build(cfg: Config, mesh: Any, stage_indices: list[int]) -> tuple[list[Any], 
     make = torch_module if cfg.framework == "torch" else ms_module
     stages = []
     for s in stage_indices:
-        module = make(s, cfg.num_stages, w, cfg.tie)
+        module = (make(s, cfg.num_stages, w, cfg.tie, unused=cfg.extra["unused"]) if cfg.extra.get("unused")
+                  else make(s, cfg.num_stages, w, cfg.tie))
+        module.replica = mesh.get_local_rank("dp")
         if cfg.mode == "fsdp":
             hp.fully_shard(module, mesh)
         ties = {}
@@ -272,7 +300,8 @@ def build(cfg: Config, mesh: Any, stage_indices: list[int]) -> tuple[list[Any], 
     loss = torch_mse if cfg.framework == "torch" else ms_mse
     schedule = cls(stages if len(stages) > 1 else stages[0], cfg.micro, loss_fn=loss)
     if cfg.mode != "none":
-        hp.data_parallel(schedule, mesh, lookahead=cfg.lookahead)
+        dp_mesh = mesh["dp"] if cfg.extra.get("dp_mesh_only") else mesh  # a 1-D mesh of the replicas
+        hp.data_parallel(schedule, dp_mesh, lookahead=cfg.lookahead)
     return stages, schedule
 
 
@@ -289,9 +318,7 @@ class Trainer:
         self.stages, self.schedule = build(cfg, self.mesh, self.stage_indices)
         self.params = self.schedule.parameters()
         if cfg.framework == "torch":
-            import torch
-
-            self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr)
+            self.optimizer = torch_optimizer(cfg, self.params)
         else:
             from mindspore import nn
 
@@ -397,3 +424,76 @@ def arm_failure(trainer: Trainer) -> dict[str, bool]:
 
         get_platform().register_forward_pre_hook(stage.submodule, hook)
     return armed
+
+
+# ------------------------------------------------------------------------------------ clipping
+NORM_TYPES = (2.0, 1.0, 3.0, float("inf"))
+
+
+def clip_checks(trainer: Trainer, bad_rank: int = 3) -> dict[str, Any]:
+    """After a run (torch): ``clip_grad_norm_(schedule, 0.05, norm_type)`` *without* ``mesh=`` for each of
+    :data:`NORM_TYPES` (the norm, the clipped whole gradients), each from the run's gradients; then, with
+    one element of one gradient of ``bad_rank`` set to ``nan`` or ``inf``, the norm (without and with
+    ``mesh=``) and ``grads_are_finite`` on every rank. The gradients are those of the run again at the end."""
+    import hyper_parallel as hp
+    from hyper_parallel.platform import get_platform
+
+    p = get_platform()
+    params = trainer.params
+    saved = [None if p.get_grad(q) is None else p.clone(p.get_grad(q)) for q in params]
+
+    def restore() -> None:
+        for q, g in zip(params, saved, strict=True):
+            p.set_grad(q, None if g is None else p.clone(g))
+
+    out: dict[str, Any] = {"norms": {}, "clipped": {}, "bad": {}, "bad_mesh": {}, "finite": {}, "dp": trainer.dp_index,
+                           "pp": trainer.pp}
+    for norm_type in NORM_TYPES:
+        restore()
+        out["norms"][norm_type] = hp.clip_grad_norm_(trainer.schedule, 0.05, norm_type)
+        out["clipped"][norm_type] = trainer.full_grads()
+    for bad in ("nan", "inf"):
+        for norm_type in NORM_TYPES:
+            restore()
+            if p.rank == bad_rank:
+                local = next(p.local_tensor(p.get_grad(q)) for q in params
+                             if p.get_grad(q) is not None and p.local_tensor(p.get_grad(q)).numel())
+                local.view(-1)[0] = float(bad)
+            out["finite"][(bad, norm_type)] = hp.grads_are_finite(trainer.schedule)
+            out["bad"][(bad, norm_type)] = hp.clip_grad_norm_(trainer.schedule, 0.05, norm_type)
+            out["bad_mesh"][(bad, norm_type)] = hp.clip_grad_norm_(trainer.schedule, 0.05, norm_type, mesh=trainer.mesh)
+    restore()
+    return out
+
+
+def check_clip(results: list[dict[str, Any]], ref_grads: dict[str, np.ndarray], tol: dict[str, float]) -> None:
+    """``clip_checks`` of every rank against ``torch.nn.utils.clip_grad_norm_`` on the whole model's gradients."""
+    import torch
+
+    names = sorted(ref_grads)
+    for norm_type in NORM_TYPES:
+        tensors = [torch.nn.Parameter(torch.zeros(ref_grads[n].shape)) for n in names]
+        for t, n in zip(tensors, names, strict=True):
+            t.grad = torch.from_numpy(ref_grads[n].copy())
+        ref = float(torch.nn.utils.clip_grad_norm_(tensors, 0.05, norm_type))
+        norms = [r["norms"][norm_type] for r in results]
+        assert len(set(norms)) == 1, f"norm_type {norm_type}: the ranks disagree: {norms}"
+        np.testing.assert_allclose(norms[0], ref, rtol=1e-5, err_msg=f"norm_type {norm_type}")
+        clipped = merged_params([{"c": r["clipped"][norm_type]} for r in results], "c")
+        assert set(clipped) == set(names)
+        for t, n in zip(tensors, names, strict=True):
+            np.testing.assert_allclose(clipped[n], t.grad.numpy(), **tol, err_msg=f"norm_type {norm_type}: {n}")
+        for bad in ("nan", "inf"):
+            tensors = [torch.nn.Parameter(torch.zeros(ref_grads[n].shape)) for n in names]
+            for t, n in zip(tensors, names, strict=True):
+                t.grad = torch.from_numpy(ref_grads[n].copy())
+            tensors[0].grad.view(-1)[0] = float(bad)  # where it sits does not change the norm
+            want = float(torch.nn.utils.clip_grad_norm_(tensors, 0.05, norm_type))
+            for key in ("bad", "bad_mesh"):
+                got = [r[key][(bad, norm_type)] for r in results]
+                where = f"{bad} on one rank, norm_type {norm_type}{', mesh=' if key == 'bad_mesh' else ''}"
+                if np.isnan(want):
+                    assert all(np.isnan(g) for g in got), f"{where}: {got} (torch: nan)"
+                else:
+                    assert got == [want] * len(results), f"{where}: {got} (torch: {want})"
+            assert [r["finite"][(bad, norm_type)] for r in results] == [False] * len(results)

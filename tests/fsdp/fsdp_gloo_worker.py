@@ -3,7 +3,9 @@
 ``train OUT``: for FSDP and DP, 1F1B and interleaved: 3 Adam steps (losses, whole parameters after the
 last step, collective counts of the first run from the torch profiler); then, with a tied weight (FSDP
 and DP): a failed run followed by a good one (gradients), ``clip_grad_norm_`` (norm and clipped
-gradients), and a non-finite gradient on one rank.
+gradients), and a non-finite gradient on one rank; ``clip_grad_norm_`` without ``mesh=`` for every norm
+type with a nan and an inf on one rank (FSDP and DP); 3 AdamW steps with parameters that no replica or
+only the first one uses (DP; FSDP2: only parameters no replica uses).
 ``save OUT CKPT``: 4 steps uninterrupted, with a checkpoint written after step 2.
 ``resume OUT CKPT``: load the checkpoint on the same split and run steps 3-4; then load it on pp=4 x dp=1.
 Rank 0 pickles every rank's results into OUT.
@@ -19,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HYPER_PARALLEL_COMM_TIMEOUT", "90")  # a broken job fails in minutes, not hours
 
 import torch  # noqa: E402
-from dp_harness import Config, Trainer, arm_failure  # noqa: E402
+from dp_harness import Config, Trainer, arm_failure, clip_checks  # noqa: E402
 from torch.profiler import profile  # noqa: E402
 
 import hyper_parallel as hp  # noqa: E402
@@ -75,7 +77,19 @@ def train() -> dict:
                                      "dp": trainer.dp_index, "pp": trainer.pp}
     for mode in ("fsdp", "dp"):
         out[(mode, "tied")] = _tied_checks(mode, mesh)
+        trainer = Trainer(Config(mode=mode), mesh)
+        trainer.run(0)
+        out[(mode, "clip")] = clip_checks(trainer)
+    out[("dp", "unused")] = _unused("dp", True, mesh)
+    out[("fsdp", "unused")] = _unused("fsdp", "never", mesh)  # FSDP2 aborts on a gradient some replicas lack
     return out
+
+
+def _unused(mode: str, unused: bool | str, mesh) -> dict:
+    trainer = Trainer(Config(mode=mode, extra={"unused": unused, "adamw": 0.1}), mesh)
+    losses = trainer.train(range(trainer.cfg.steps))
+    return {"losses": losses, "params": trainer.full_params(), "grads": sorted(trainer.full_grads()),
+            "dp": trainer.dp_index, "pp": trainer.pp}
 
 
 def save(ckpt: str) -> dict:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_torchrun
-from dp_harness import TOL, Config, merged_params, oracle, replica_losses
+from dp_harness import TOL, UNUSED, Config, check_clip, merged_params, oracle, replica_losses
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "fsdp_gloo_worker.py")
@@ -83,6 +83,34 @@ def test_tied_weight_failed_run_clipping_and_non_finite(trained, mode):
         np.testing.assert_allclose(clipped[n], t.grad.numpy(), **TOL["torch"], err_msg=f"clipped {n}")
     assert [r["finite"] for r in results] == [False] * 4  # only rank 3 holds the inf
     assert all(r["inf_norm"] == float("inf") for r in results)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+def test_clip_without_mesh_every_norm_type_and_non_finite_on_one_rank(trained, mode):
+    """torch's FSDP2 and DP over gloo, clip_grad_norm_ without mesh=: the whole model's norm on every rank for
+    norm types 2, 1, 3, inf; a nan on one rank gives nan everywhere (gloo's max alone would drop it)."""
+    check_clip([r[(mode, "clip")] for r in trained], oracle(Config(mode=mode, steps=1))[2][0], TOL["torch"])
+
+
+@pytest.mark.parametrize("mode,unused", [("dp", True), ("fsdp", "never")])
+def test_unused_parameter_keeps_no_gradient_and_adamw_leaves_it(trained, mode, unused):
+    """DP: parameters no replica uses keep grad None, one only the first replica uses is averaged with
+    zeros; torch's FSDP2 (parameters no replica uses): the same, as the non-parallel AdamW step."""
+    cfg = Config(mode=mode, extra={"unused": unused, "adamw": 0.1})
+    results = [r[(mode, "unused")] for r in trained]
+    ref_losses, ref_params, _ = oracle(cfg)
+    for step in range(cfg.steps):
+        np.testing.assert_allclose(replica_losses(results, cfg, step), ref_losses[step], **TOL["torch"])
+    params = merged_params(results)
+    assert set(params) == set(ref_params)
+    for name, value in params.items():
+        np.testing.assert_allclose(value, ref_params[name], **TOL["torch"], err_msg=name)
+    for name in ("never", "never_row"):
+        np.testing.assert_array_equal(params[name], np.full(UNUSED[name], 0.5, np.float32), err_msg=name)
+    for r in results:
+        if r["pp"] == cfg.pp - 1:
+            assert "never" not in r["grads"] and "never_row" not in r["grads"], r["grads"]
+            assert ("sometimes" in r["grads"]) == (unused is True), r["grads"]
 
 
 def test_checkpoint_resumes_bitwise_in_new_processes_and_reshards(tmp_path):

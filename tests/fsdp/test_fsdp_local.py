@@ -11,7 +11,19 @@ import sys
 
 import numpy as np
 import pytest
-from dp_harness import TOL, Config, Trainer, arm_failure, full_value, merged_params, oracle, replica_losses
+from dp_harness import (
+    TOL,
+    UNUSED,
+    Config,
+    Trainer,
+    arm_failure,
+    check_clip,
+    clip_checks,
+    full_value,
+    merged_params,
+    oracle,
+    replica_losses,
+)
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import data_parallel
@@ -150,6 +162,111 @@ def _check_tied(cfg: Config, results: list[dict]) -> None:
 def test_torch_tied_weight_failed_run_and_global_clipping(mode):
     cfg = Config(mode=mode, tie=True)
     _check_tied(cfg, LocalCluster(4).run(_tied_rank, mode, "torch"))
+
+
+def _clip_rank(mode: str, dp_mesh_only: bool = False) -> dict:
+    trainer = Trainer(Config(mode=mode, extra={"dp_mesh_only": dp_mesh_only}))
+    trainer.run(0)
+    out = clip_checks(trainer)
+    try:  # bare parameters say nothing of the replicas: sharded ones cannot be counted
+        hp.clip_grad_norm_(trainer.params, 1.0)
+        out["iterable"] = None
+    except ValueError as exc:
+        out["iterable"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("mode,dp_mesh_only", [("fsdp", False), ("dp", False), ("fsdp", True)])
+def test_torch_clip_without_mesh_every_norm_type_and_non_finite_on_one_rank(mode, dp_mesh_only):
+    """Without mesh= the schedule's data-parallel mesh is used (given whole, or only its dp dimension):
+    the whole model's norm on every rank, for norm types 2, 1, 3 and inf, as torch's clip_grad_norm_
+    gives; a nan or an inf on one rank is seen by all."""
+    results = LocalCluster(4).run(_clip_rank, mode, dp_mesh_only)
+    check_clip(results, oracle(Config(mode=mode, steps=1))[2][0], TOL["torch"])
+    messages = [r["iterable"] for r in results]
+    if mode == "fsdp":  # each rank names its first parameter that cannot be counted: cut, or kept whole
+        assert all(m and ("is cut into 2 shards" in m or "is averaged over 2 data-parallel replicas" in m)
+                   and "pass mesh=" in m for m in messages), messages
+        assert "is cut into 2 shards" in messages[0], messages
+    else:  # the iterable summed over the world counted every replica of a replicated gradient (sqrt(2) x the norm)
+        assert all(m and "is averaged over 2 data-parallel replicas" in m and "pass mesh=" in m for m in messages), \
+            messages
+
+
+def _whole_params_iterable_rank() -> str | None:
+    import torch
+
+    mesh = hp.init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "dp"))
+    module = torch.nn.Linear(3, 3)  # dimension 0 of 3 does not divide by 2: this library's FSDP keeps both whole
+    hp.fully_shard(module, mesh)
+    schedule = hp.ScheduleGPipe(hp.PipelineStage(module, 0, 1, mesh=mesh), 2, loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    hp.data_parallel(schedule, mesh)
+    schedule.run(torch.ones(4, 3) * (mesh.get_local_rank("dp") + 1), target=torch.zeros(4, 3))
+    try:
+        hp.clip_grad_norm_(schedule.parameters(), 1e9)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_torch_clip_iterable_of_fsdp_parameters_kept_whole():
+    """An iterable of a fully sharded stage's parameters that stay whole (averaged over the replicas, not cut):
+    summed over the world they used to count once per replica, silently; they raise as sharded ones do."""
+    messages = LocalCluster(2).run(_whole_params_iterable_rank)
+    assert all(m and "is averaged over 2 data-parallel replicas" in m for m in messages), messages
+
+
+def _dp_mesh_clip_rank(mode: str) -> dict:
+    trainer = Trainer(Config(mode=mode, extra={"dp_mesh_only": True}))
+    trainer.run(0)
+    p = get_platform()
+    dp_mesh = trainer.mesh["dp"]
+    out = {"norm": hp.clip_grad_norm_(trainer.schedule, 1e9), "dp_mesh": hp.clip_grad_norm_(trainer.schedule, 1e9,
+                                                                                              mesh=dp_mesh)}
+    if p.rank == 3:  # a nan on one rank of the other stage than rank 0's
+        grad = next(p.get_grad(q) for q in trainer.params if p.get_grad(q) is not None)
+        p.local_tensor(grad).view(-1)[0] = float("nan")
+    out["finite"] = hp.grads_are_finite(trainer.schedule, mesh=dp_mesh)
+    try:  # a 1-D mesh over every rank, not naming its pipeline dimension: it cannot say which ranks are replicas
+        hp.clip_grad_norm_(trainer.schedule, 1.0, mesh=hp.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
+        out["world"] = None
+    except ValueError as exc:
+        out["world"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+def test_torch_clip_with_the_dp_mesh_given_to_data_parallel(mode):
+    """mesh= the 1-D dp mesh data_parallel got (no 'pp' dimension): summed over the pipeline too, as without
+    mesh= (each pipeline rank used to get the norm of its own stage only, and clip by its own coefficient);
+    grads_are_finite sees a nan on the other stage; a mesh without 'pp' spanning the pipeline raises."""
+    results = LocalCluster(4).run(_dp_mesh_clip_rank, mode)
+    assert [r["dp_mesh"] for r in results] == [results[0]["norm"]] * 4, results
+    assert [r["finite"] for r in results] == [False] * 4
+    assert all(r["world"] and "has no 'pp' dimension" in r["world"] for r in results), [r["world"] for r in results]
+
+
+def _unused_rank(cfg: Config) -> dict:
+    trainer = Trainer(cfg)
+    losses = trainer.train(range(cfg.steps))
+    return {"losses": losses, "params": trainer.full_params(), "grads": sorted(trainer.full_grads()),
+            "dp": trainer.dp_index, "pp": trainer.pp}
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "dp"])
+def test_torch_unused_parameter_keeps_no_gradient_and_adamw_leaves_it(mode):
+    """A parameter no replica uses keeps grad None (AdamW's weight decay leaves it, as on one rank); one only
+    the first replica uses gets the average with zeros from the other: both as the non-parallel step."""
+    cfg = Config(mode=mode, extra={"unused": True, "adamw": 0.1})
+    results = LocalCluster(4).run(_unused_rank, cfg)
+    _check_training(cfg, results)
+    last = [r for r in results if r["pp"] == cfg.pp - 1]
+    for r in last:
+        assert "never" not in r["grads"] and "never_row" not in r["grads"], r["grads"]
+        assert "sometimes" in r["grads"] and "sometimes_row" in r["grads"], r["grads"]
+    params = merged_params(results)
+    for name in ("never", "never_row"):
+        np.testing.assert_array_equal(params[name], np.full(UNUSED[name], 0.5, np.float32), err_msg=name)
 
 
 def _eval_rank() -> list[float]:

@@ -53,10 +53,13 @@ class _StageSync:
 class DataParallel(RunHook):
     """The state ``data_parallel`` adds to one schedule (see the module docstring)."""
 
-    def __init__(self, schedule: PipelineSchedule, dp_mesh: DeviceMesh, lookahead: int, gather: str = "stage") -> None:
+    def __init__(self, schedule: PipelineSchedule, dp_mesh: DeviceMesh, lookahead: int, gather: str = "stage",
+                 mesh: DeviceMesh | None = None) -> None:
         p = schedule.platform
         self.schedule = schedule
         self.p = p
+        self.mesh = mesh if mesh is not None else dp_mesh  # as given to data_parallel (clip_grad_norm_ uses it)
+        self.dp_mesh = dp_mesh
         self.group = dp_mesh.get_group()
         self.lookahead = lookahead
         self.gather = gather
@@ -202,7 +205,7 @@ def data_parallel(schedule: PipelineSchedule, mesh: DeviceMesh, *, dim: str = "d
         raise ValueError(f"mesh has no dimension {dim!r}: {list(mesh.mesh_dim_names)}")
     if getattr(schedule, "_data_parallel", None) is not None:
         raise ValueError("data_parallel was already applied to this schedule")
-    feature = DataParallel(schedule, mesh if mesh.ndim == 1 else mesh[dim], lookahead, gather)
+    feature = DataParallel(schedule, mesh if mesh.ndim == 1 else mesh[dim], lookahead, gather, mesh)
     schedule.add_feature(lowering_pass=feature.lowering_pass, handlers=feature.handlers(), hook=feature)
     schedule._data_parallel = feature  # type: ignore[attr-defined]
     schedule.exec_order  # noqa: B018  (lower and validate now: fail before any communication)

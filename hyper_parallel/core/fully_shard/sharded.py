@@ -8,6 +8,9 @@ tensors back; ``reshard`` drops them. ``reduce_grads`` reduce-scatters the whole
 backward accumulated, in one collective, averaged over the group (data-parallel semantics), and adds
 the result to the sharded gradient the parameter held before. Parameters whose dimension 0 does not
 divide (or scalars) stay whole on every rank; their gradients are all-reduced (averaged) instead.
+A parameter no rank of the group gave a gradient keeps ``None`` (the ranks agree through one flag
+per parameter at the end of each collective's buffer); one that only some ranks used counts zeros
+on the others.
 
 Outside a pipeline the first forward gathers the parameters (a forward pre-hook) and
 ``reduce_grads`` followed by ``reshard`` ends the step; inside one the schedule's FSDP steps call
@@ -123,27 +126,39 @@ class ShardedModule:
 
     def reduce_grads(self) -> None:
         """Reduce-scatter (sharded) and all-reduce (whole) the accumulated gradients, averaged over
-        the group, each in one collective; parameters without a gradient count zeros. The whole
-        parameters are freed first (a sharded gradient sits beside sharded data)."""
+        the group, each in one collective; a parameter without a gradient here counts zeros, and
+        keeps ``None`` where no rank has one. The whole parameters are freed first (a sharded
+        gradient sits beside sharded data)."""
         p = self.p
         if self.sharded:
             grads = [self._grad_or_zeros(e, e.full_shape) for e in self.sharded]
+            flags = self._flags(self.sharded)
             per_param = [p.chunk(g, self.size, 0) for g in grads]
-            buckets = [p.cat([p.reshape(pieces[r], (-1,)) for pieces in per_param]) for r in range(self.size)]
+            buckets = [p.cat([*(p.reshape(pieces[r], (-1,)) for pieces in per_param), flags]) for r in range(self.size)]
             mine = p.reduce_scatter(buckets, "avg", self.group)
             for e in self.sharded:  # a sharded gradient needs sharded data beside it
                 p.set_grad(e.param, None)
             self.reshard()
             shard_shapes = [(e.full_shape[0] // self.size, *e.full_shape[1:]) for e in self.sharded]
-            flat = p.split(mine, [_product(s) for s in shard_shapes])
-            for e, piece, shape in zip(self.sharded, flat, shard_shapes, strict=True):
-                self._set(e, p.reshape(piece, shape))
+            *flat, used = p.split(mine, [*(_product(s) for s in shard_shapes), len(self.sharded)])
+            for e, piece, shape, any_rank in zip(self.sharded, flat, shard_shapes, self._used(used), strict=True):
+                self._set(e, p.reshape(piece, shape) if any_rank else None)
         if self.replicated:
             grads = [self._grad_or_zeros(e, e.full_shape) for e in self.replicated]
-            flat = p.all_reduce(p.cat([p.reshape(g, (-1,)) for g in grads]), "avg", self.group)
-            for e, piece in zip(self.replicated, p.split(flat, [_product(e.full_shape) for e in self.replicated]),
-                                strict=True):
-                self._set(e, p.reshape(piece, e.full_shape))
+            flat = p.all_reduce(p.cat([*(p.reshape(g, (-1,)) for g in grads), self._flags(self.replicated)]),
+                                "avg", self.group)
+            *pieces, used = p.split(flat, [*(_product(e.full_shape) for e in self.replicated), len(self.replicated)])
+            for e, piece, any_rank in zip(self.replicated, pieces, self._used(used), strict=True):
+                self._set(e, p.reshape(piece, e.full_shape) if any_rank else None)
+
+    def _flags(self, entries: Sequence[_Entry]) -> Any:
+        """1 for each entry with a gradient on this rank, else 0, in the entries' dtype (averaged, > 0 means
+        some rank has one)."""
+        dtype = self.p.dtype_name(self.p.param_data(entries[0].param))
+        return self.p.tensor([0.0 if self.p.get_grad(e.param) is None else 1.0 for e in entries], dtype)
+
+    def _used(self, flags: Any) -> list[bool]:
+        return [float(f) > 0.0 for f in self.p.to_numpy(flags)]
 
     def discard(self) -> None:
         """After a failed run: shards back in place, nothing kept aside (the run restored the gradients)."""
@@ -157,5 +172,9 @@ class ShardedModule:
         return grad
 
     def _set(self, e: _Entry, grad: Any) -> None:
+        """The reduced gradient (``None``: no rank had one) added to the one kept aside before."""
         prior = self._prior.pop(id(e.param), None)
+        if grad is None:
+            self.p.set_grad(e.param, prior)
+            return
         self.p.set_grad(e.param, self.p.clone(grad) if prior is None else prior + grad)
