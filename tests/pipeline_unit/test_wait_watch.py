@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.wait_watch import wait_log_interval, wait_slot, watched
+from hyper_parallel.core.pipeline_parallel.wait_watch import release_slot, wait_log_interval, wait_slot, watched
 
 
 def test_the_interval_follows_the_variable_each_time_it_is_read(monkeypatch):
@@ -94,6 +94,51 @@ def test_a_wait_slot_logs_a_blocked_wait_once_and_makes_its_text_only_then():
         slot.current = None
     finally:
         logger.removeHandler(handler)
+        release_slot(slot)
     assert made == [("RECV_F.s1.m4", 0)]
     assert len(handler.messages) == 1 and "rank 1: RECV_F.s1.m4 waiting for rank 0 has waited" in handler.messages[0]
     assert wait_slot(describe, 0.0) is None  # interval 0: nothing is watched
+
+
+def _watch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "hyper-parallel-wait-watch" and t.is_alive()]
+
+
+def test_the_watch_thread_lives_only_while_something_is_watched():
+    """Released slots and closed waits stop the thread, joined before the call returns; a later
+    wait starts a fresh one."""
+    first, second = wait_slot(lambda *a: "one", 30.0), wait_slot(lambda *a: "two", 30.0)
+    assert len(_watch_threads()) == 1
+    release_slot(first)
+    assert len(_watch_threads()) == 1  # the second slot is still watched
+    with watched("a wait", 30.0):
+        release_slot(second)
+        assert len(_watch_threads()) == 1  # the open wait is still watched
+    assert _watch_threads() == []
+    for _ in range(3):  # start, stop, start again: never more than one thread, none left after
+        slot = wait_slot(lambda *a: "again", 30.0)
+        assert len(_watch_threads()) == 1
+        release_slot(slot)
+        assert _watch_threads() == []
+    release_slot(None)  # an unwatched runtime (interval 0) releases nothing
+
+
+def test_slots_of_many_threads_leave_no_watch_thread():
+    """Ranks of a LocalCluster take and release slots at the same time."""
+    barrier = threading.Barrier(4)
+
+    def rank() -> None:
+        for _ in range(20):
+            slot = wait_slot(lambda *a: "rank", 30.0)
+            with watched("rank wait", 30.0):
+                pass
+            barrier.wait(30)
+            release_slot(slot)
+
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert _watch_threads() == []
