@@ -639,8 +639,9 @@ class Platform(ABC):
 
     # ------------------------------------------------------------------ parameters and gradients
     def is_identity_module(self, module: Any) -> bool:
-        """Whether ``module`` is the framework's identity module (torch ``nn.Identity``, MindSpore
-        ``nn.Identity``), which passes its inputs through, however many there are."""
+        """Whether ``module`` is the framework's identity module itself (torch ``nn.Identity``,
+        MindSpore ``nn.Identity``; not a subclass, which may override the forward), which passes
+        its inputs through, however many there are."""
         return False
 
     @abstractmethod

@@ -195,11 +195,19 @@ class _Double(torch.nn.Module):
         return image * 2, tokens
 
 
+class _DoublingIdentity(torch.nn.Identity):
+    """A subclass of nn.Identity with its own forward: not the identity, so it must run."""
+
+    def forward(self, image, tokens):
+        return image * 2, tokens
+
+
 def _t0_rank(case, kind: str) -> dict:
     p = get_platform()
     layers = 1 if kind == "frozen" else 0
     encoder, bodies = torch_modules(p.world_size, layers, False)
-    pre = {"identity": torch.nn.Identity(), "double": _Double(), "frozen": encoder}[kind]
+    pre = {"identity": torch.nn.Identity(), "double": _Double(), "frozen": encoder,
+           "doubling-identity": _DoublingIdentity()}[kind]
     stage = PipelineStage(bodies[p.rank], p.rank, p.world_size)
     schedule = ScheduleMPipeTranspose(stage, case.micro, pre, 0, loss_fn=mse, **case.options())
     image, tokens, target = data(case)
@@ -235,6 +243,17 @@ def test_mpipe_t0_takes_a_parameter_free_preprocess(ranks, case, kind):
         assert set(got) == set(ref_grads)
         for name, g in got.items():
             np.testing.assert_allclose(g, ref_grads[name], rtol=1e-5, atol=1e-7 * max(np.abs(ref_grads[name]).max(), 1))
+
+
+@pytest.mark.timeout(180)
+def test_mpipe_t0_runs_a_subclass_of_the_identity_that_has_its_own_forward():
+    """Only the identity module itself is skipped as dataload-only: a subclass overriding forward
+    is a preprocess like any other parameter-free module (it used to be skipped silently)."""
+    ranks, case = T0_CASES[0]
+    results = LocalCluster(ranks, platform="torch").run(_t0_rank, case, "doubling-identity")
+    ref_losses, _ = _doubled_oracle(case, ranks)
+    losses = next(r["losses"][0] for r in results if r["losses"][0])
+    np.testing.assert_allclose(losses, ref_losses, **TOL["torch"])
 
 
 def _doubled_oracle(case, num_stages):
