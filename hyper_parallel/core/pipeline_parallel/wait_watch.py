@@ -69,7 +69,7 @@ class _Watch:
     def open(self, what: Describe, interval: float) -> int:
         token = next(self._tokens)
         self._open[token] = (time.monotonic(), interval, what)
-        if self._thread is None or self._stopping:
+        if self._stopping or self._thread is None:  # this order: see `_stop_if_idle`
             self._start()
         return token
 
@@ -81,7 +81,7 @@ class _Watch:
     def add_slot(self, slot: WaitSlot) -> None:
         with self._lock:
             self._slots.add(slot)
-        if self._thread is None or self._stopping:
+        if self._stopping or self._thread is None:  # this order: see `_stop_if_idle`
             self._start()
 
     def release_slot(self, slot: WaitSlot) -> None:
@@ -102,7 +102,10 @@ class _Watch:
 
     def _stop_if_idle(self) -> None:
         """Stop the thread and join it when nothing is watched (an open or add racing with this either
-        is seen here, or sees ``_stopping`` and starts a fresh thread once the old one is joined)."""
+        is seen here, or sees ``_stopping`` and starts a fresh thread once the old one is joined).
+        ``_stopping`` is set before the idle check and cleared only after ``_thread = None``, so an
+        opener that reads ``_stopping`` first, then ``_thread``, sees one of the two however the stop
+        interleaves (read the other way round, a stop completing between the reads went unseen)."""
         with self._life:
             thread = self._thread
             if thread is None:
