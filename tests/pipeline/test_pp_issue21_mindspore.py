@@ -1,5 +1,6 @@
-"""Issue 21 MPipe corners on MindSpore LocalCluster (small: PyNative is slow): the recompute
-backward replays the owner's random state (dropout in the preprocess), and T=0 takes nn.Identity."""
+"""Issue 21 corners on MindSpore LocalCluster (small: PyNative is slow): the MPipe recompute
+backward replays the owner's random state (dropout in the preprocess), T=0 takes nn.Identity, and
+ZB-H1 / ZB-V on stages with a gradient-scaling tensor hook match the non-pipelined model."""
 
 from __future__ import annotations
 
@@ -109,3 +110,79 @@ def test_mpipe_dropout_preprocess_matches_the_non_pipelined_model(owner_backward
             np.testing.assert_allclose(g, ref, rtol=tol["rtol"], atol=tol["atol"] * max(float(np.abs(ref).max()), 1.0),
                                        err_msg=f"{name} on rank {r['rank']}")
     assert {n for n in ref_grads if n.startswith("preprocess.")} <= set(results[0]["grads"])
+
+
+# ------------------------------------------- zero bubble: a gradient-scaling hook in every stage
+
+D, M, PER = 4, 4, 2
+
+
+def _hooked_stage(s: int, calls: list[int]):
+    """``tanh(x @ w + b)`` with a hook halving the gradient of ``x @ w + b`` (the dx/dW boundary:
+    its node has an edge into ``b``); each call of the hook notes the stage."""
+    from mindspore import nn, ops
+
+    class Hooked(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            rng = np.random.default_rng(10 + s)
+            self.w = ms.Parameter(ms.Tensor((rng.standard_normal((D, D)) * 0.5).astype(np.float32)), name=f"w{s}")
+            self.b = ms.Parameter(ms.Tensor((rng.standard_normal(D) * 0.1).astype(np.float32)), name=f"b{s}")
+
+        def construct(self, x):
+            h = ops.matmul(x, self.w) + self.b
+            h.register_hook(lambda g: (calls.append(s), g * 0.5)[1])
+            return ops.tanh(h)
+
+    return Hooked()
+
+
+def _zb_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((M * PER, D)).astype(np.float32), rng.standard_normal((M * PER, D)).astype(np.float32))
+
+
+def _zb_rank(cls, chunks: int, calls: list[int]) -> dict[str, np.ndarray]:
+    p = get_platform()
+    placement = cls.stage_placement(p.world_size, chunks)
+    stages = [PipelineStage(_hooked_stage(s, calls), s, len(placement)) for s, r in sorted(placement.items())
+              if r == p.rank]
+    schedule = cls(stages if len(stages) > 1 else stages[0], M, loss_fn=mse)
+    x, y = _zb_data()
+    schedule.run(ms.Tensor(x), target=ms.Tensor(y) if any(st.is_last for st in stages) else None)
+    return {prm.name: p.to_numpy(p.get_grad(prm)).copy() for st in stages for prm in st.submodule.trainable_params()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cls_name, chunks", [("ScheduleInterleavedZeroBubble", 1), ("ScheduleZBVZeroBubble", 2)],
+                         ids=["ZB-H1", "ZB-V"])
+def test_zero_bubble_with_a_gradient_scaling_hook_matches_the_non_pipelined_model(cls_name, chunks):
+    """The engine's dx/dW split on every stage: before the fix the weight pass ran the hook again
+    (twice per micro-batch, b's gradient halved once more)."""
+    import hyper_parallel
+
+    cls = getattr(hyper_parallel, cls_name)
+    calls: list[int] = []
+    results = LocalCluster(2, platform="mindspore").run(_zb_rank, cls, chunks, calls)
+    num = 2 * chunks
+    assert sorted(calls) == sorted(list(range(num)) * M)  # once per stage and micro-batch
+    cells = [_hooked_stage(s, []) for s in range(num)]
+    params = [prm for c in cells for prm in c.trainable_params()]
+    x, y = _zb_data()
+
+    def total():
+        out = 0.0
+        for i in range(M):
+            h = ms.Tensor(x[i * PER:(i + 1) * PER])
+            for cell in cells:
+                h = cell(h)
+            out = out + mse(h, ms.Tensor(y[i * PER:(i + 1) * PER])) / M
+        return out
+
+    ref = {prm.name: g.asnumpy() for prm, g in zip(params, ms.grad(total, None, weights=params)())}
+    got = {name: g for r in results for name, g in r.items()}
+    assert set(got) == set(ref)
+    tol = TOL["mindspore"]
+    for name, g in got.items():
+        np.testing.assert_allclose(g, ref[name], rtol=tol["rtol"], atol=tol["atol"] * max(float(np.abs(ref[name]).max()), 1.0),
+                                   err_msg=name)
