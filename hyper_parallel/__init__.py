@@ -60,3 +60,13 @@ from hyper_parallel.core.train_utils import clip_grad_norm_, grads_are_finite  #
 
 __all__ += ["clip_grad_norm_", "data_parallel", "fully_shard", "grads_are_finite", "load_checkpoint",
             "save_checkpoint"]
+
+# overlapping communication with compute (the overlap_b_f hooks)
+from hyper_parallel.core.pipeline_parallel.overlap import (  # noqa: E402
+    CommComputeOverlap,
+    HookCoordinator,
+    HookRole,
+    OverlapError,
+)
+
+__all__ += ["CommComputeOverlap", "HookCoordinator", "HookRole", "OverlapError"]

@@ -638,6 +638,12 @@ class Platform(ABC):
         """Accumulate the parameter gradients of a record whose input backward ran."""
 
     # ------------------------------------------------------------------ parameters and gradients
+    def is_identity_module(self, module: Any) -> bool:
+        """Whether ``module`` is the framework's identity module itself (torch ``nn.Identity``,
+        MindSpore ``nn.Identity``; not a subclass, which may override the forward), which passes
+        its inputs through, however many there are."""
+        return False
+
     @abstractmethod
     def named_parameters(self, module: Any) -> list[tuple[str, Any]]:
         """Trainable parameters of a module (torch ``nn.Module`` / MindSpore ``Cell``)."""
@@ -764,6 +770,17 @@ class Platform(ABC):
 
     def set_rng_state(self, state: Any) -> None:
         """Install a snapshot taken by :meth:`get_rng_state` (of the same framework)."""
+        return None
+
+    def draw_rng_seed(self) -> int | None:
+        """A seed in ``[0, 2**31)`` drawn from the process-wide random state (advancing it), for
+        :meth:`seed_rng` on this or another rank: how a random forward is replayed elsewhere (MPipe's
+        recompute). ``None``: this platform has no random state to replay."""
+        return None
+
+    def seed_rng(self, seed: int) -> None:
+        """Make the process-wide random state a fresh one made from ``seed`` (every rank and process
+        gets the same draws from the same seed); :meth:`set_rng_state` puts the previous one back."""
         return None
 
     def __repr__(self) -> str:

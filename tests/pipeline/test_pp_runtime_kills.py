@@ -13,7 +13,7 @@ import pytest
 import torch
 from mlp_harness import MatrixJob, batch, build_stages, check, mse
 
-from hyper_parallel.core.pipeline_parallel.wait_watch import wait_slot
+from hyper_parallel.core.pipeline_parallel.wait_watch import release_slot, wait_slot
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.lowering import peer_rank
 from hyper_parallel.core.pipeline_parallel.runtime import PeerError, PipelineRuntime
@@ -95,11 +95,14 @@ def test_a_peer_that_dies_is_named():
     runtime = SimpleNamespace(rank=0, wait_log_interval=30.0, _wait_slot=wait_slot(lambda *what: "unused", 30.0))
     runtime._peer_error = lambda step, peer, exc: PipelineRuntime._peer_error(runtime, step, peer, exc)
     step = MetaStep(2, MetaStepType.BWD_RECV, 0)
-    with pytest.raises(PeerError, match=r"rank 0: rank 1 failed or stopped while step .* waited for it "
-                                        r"\(Connection closed by peer \[127.0.0.1\]:1234\)"):
-        PipelineRuntime._wait(runtime, Broken(), step, 1)
-    with pytest.raises(PeerError, match="rank 0: a peer failed or stopped"):
-        PipelineRuntime._wait(runtime, Broken(), None, None)
+    try:
+        with pytest.raises(PeerError, match=r"rank 0: rank 1 failed or stopped while step .* waited for it "
+                                            r"\(Connection closed by peer \[127.0.0.1\]:1234\)"):
+            PipelineRuntime._wait(runtime, Broken(), step, 1)
+        with pytest.raises(PeerError, match="rank 0: a peer failed or stopped"):
+            PipelineRuntime._wait(runtime, Broken(), None, None)
+    finally:
+        release_slot(runtime._wait_slot)
 
 
 def test_a_wait_that_times_out_is_not_taken_for_done():

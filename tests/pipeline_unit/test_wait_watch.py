@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.wait_watch import wait_log_interval, wait_slot, watched
+from hyper_parallel.core.pipeline_parallel import wait_watch
+from hyper_parallel.core.pipeline_parallel.wait_watch import WaitSlot, release_slot, wait_log_interval, wait_slot, watched
 
 
 def test_the_interval_follows_the_variable_each_time_it_is_read(monkeypatch):
@@ -94,6 +95,105 @@ def test_a_wait_slot_logs_a_blocked_wait_once_and_makes_its_text_only_then():
         slot.current = None
     finally:
         logger.removeHandler(handler)
+        release_slot(slot)
     assert made == [("RECV_F.s1.m4", 0)]
     assert len(handler.messages) == 1 and "rank 1: RECV_F.s1.m4 waiting for rank 0 has waited" in handler.messages[0]
     assert wait_slot(describe, 0.0) is None  # interval 0: nothing is watched
+
+
+def _watch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "hyper-parallel-wait-watch" and t.is_alive()]
+
+
+def test_the_watch_thread_lives_only_while_something_is_watched():
+    """Released slots and closed waits stop the thread, joined before the call returns; a later
+    wait starts a fresh one."""
+    first, second = wait_slot(lambda *a: "one", 30.0), wait_slot(lambda *a: "two", 30.0)
+    assert len(_watch_threads()) == 1
+    release_slot(first)
+    assert len(_watch_threads()) == 1  # the second slot is still watched
+    with watched("a wait", 30.0):
+        release_slot(second)
+        assert len(_watch_threads()) == 1  # the open wait is still watched
+    assert _watch_threads() == []
+    for _ in range(3):  # start, stop, start again: never more than one thread, none left after
+        slot = wait_slot(lambda *a: "again", 30.0)
+        assert len(_watch_threads()) == 1
+        release_slot(slot)
+        assert _watch_threads() == []
+    release_slot(None)  # an unwatched runtime (interval 0) releases nothing
+
+
+def test_slots_of_many_threads_leave_no_watch_thread():
+    """Ranks of a LocalCluster take and release slots at the same time."""
+    barrier = threading.Barrier(4)
+
+    def rank() -> None:
+        for _ in range(20):
+            slot = wait_slot(lambda *a: "rank", 30.0)
+            with watched("rank wait", 30.0):
+                pass
+            barrier.wait(30)
+            release_slot(slot)
+
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert _watch_threads() == []
+
+
+class _StopRacesAnOpen(wait_watch._Watch):
+    """A watch whose stop (by ``stopper``) pauses once it found nothing watched, and completes at the
+    opener's first look at the watch's state (``_thread`` or ``_stopping``): the worst moment."""
+
+    def __init__(self) -> None:
+        self.stopper: threading.Thread | None = None
+        self.opener: threading.Thread | None = None
+        self.stop_checked, self.go = threading.Event(), threading.Event()
+        super().__init__()
+
+    def _idle(self) -> bool:
+        idle = super()._idle()
+        if threading.current_thread() is self.stopper:
+            self.stop_checked.set()
+            self.go.wait(30)
+        return idle
+
+
+def _racing_state(name: str) -> property:
+    def get(self: _StopRacesAnOpen) -> object:
+        value = self.__dict__[name]
+        if threading.current_thread() is self.opener:
+            self.opener = None
+            self.go.set()
+            self.stopper.join(30)
+        return value
+
+    return property(get, lambda self, value: self.__dict__.__setitem__(name, value))
+
+
+_StopRacesAnOpen._thread = _racing_state("_thread")
+_StopRacesAnOpen._stopping = _racing_state("_stopping")
+
+
+def test_a_wait_opened_while_the_last_release_stops_the_thread_is_watched():
+    """The last slot's release decided to stop the thread just before another thread opened a wait;
+    the stop completes while the opener looks at the watch's state: a thread must run for that wait
+    (reading ``_thread`` before ``_stopping`` saw the old thread, then no stop, and started none)."""
+    watch = _StopRacesAnOpen()
+    slot = WaitSlot(lambda *a: "run", 30.0)
+    watch.add_slot(slot)
+    watch.stopper = threading.Thread(target=watch.release_slot, args=(slot,))
+    watch.stopper.start()
+    assert watch.stop_checked.wait(30)
+    watch.opener = threading.current_thread()
+    token = watch.open("a wait opened meanwhile", 30.0)
+    watch.stopper.join(30)
+    try:
+        assert watch._thread is not None and watch._thread.is_alive()
+    finally:
+        watch.close(token)
+    assert watch._thread is None

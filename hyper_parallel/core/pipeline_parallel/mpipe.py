@@ -7,13 +7,17 @@ first input. MPipe transposes that work: every pipeline rank owns some micro-bat
 to stage 0's rank. ``stages[0]`` wraps only the body after the preprocess; the preprocess module
 exists on every pipeline rank and is called as ``preprocess_module(*micro_batch_args)``; what it
 returns (a tensor or a tuple of tensors) are stage 0's positional inputs. With
-``num_transpose_layers=0`` there is no preprocess (dataload only): the owners ship their raw
-inputs, which are stage 0's inputs.
+``num_transpose_layers=0`` there is no preprocess to train (dataload only): with
+``preprocess_module=None`` or the framework's identity module the owners ship their raw inputs,
+which are stage 0's inputs; another module without trainable parameters is run by the owners
+without a backward.
 
 A trainable preprocess: its parameters are broadcast from stage 0's rank when the schedule is
 built (and by `sync_preprocess`); its backward recomputes the preprocess on stage 0's rank from
 the inputs (default) or, with ``owner_backward=True``, runs on the owner from its kept graph, the
-gradient of stage 0's inputs coming back to it. After ``run`` the preprocess gradients of every
+gradient of stage 0's inputs coming back to it. The recompute draws the random numbers the owner's
+forward drew: the owner runs that forward from a seed drawn from its own random state and ships the
+seed in the message header. After ``run`` the preprocess gradients of every
 pipeline rank are the owners' contributions summed over the pipeline group, so they equal the
 gradient of a non-pipelined step and identical optimizer steps keep the copies in sync. A frozen
 preprocess (no trainable parameter) has no backward and no broadcast.
@@ -28,7 +32,7 @@ Supported: one chunk per rank (1F1B) or several (interleaved 1F1B), any micro-ba
 ``p2p_transport="batch"`` (MPipe's schedules are checked under the eager engines: gloo,
 LocalCluster; ``"auto"`` picks ``"plain"``), ``dyn_shape=True`` (stage 0's rank sizes every
 message from its own micro-batch 0), keyword inputs to ``run``, ``owner_backward=True`` without a
-trainable preprocess, a preprocess with ``num_transpose_layers=0``.
+trainable preprocess, a preprocess with trainable parameters and ``num_transpose_layers=0``.
 """
 
 from __future__ import annotations
@@ -89,9 +93,6 @@ class ScheduleMPipeTranspose(ScheduleInterleaved1F1B):
             raise TypeError(f"owner_backward must be a bool, got {owner_backward!r}")
         if inputs not in INPUT_SCOPES:
             raise ValueError(f"inputs must be one of {INPUT_SCOPES}, got {inputs!r}")
-        if num_transpose_layers == 0 and preprocess_module is not None:
-            raise ValueError("num_transpose_layers=0 is the dataload-only mode (the owners ship their raw inputs): "
-                             "pass preprocess_module=None, or the preprocess's layer count")
         if num_transpose_layers == 0 and owner_backward:
             raise ValueError("owner_backward=True needs a trainable preprocess; num_transpose_layers=0 has none")
         if preprocess_module is not None and not callable(preprocess_module):
@@ -117,6 +118,12 @@ class ScheduleMPipeTranspose(ScheduleInterleaved1F1B):
         self.preprocess_cost = float(preprocess_cost)
         p = self.platform
         named = p.named_parameters(preprocess_module) if preprocess_module is not None else []
+        if num_transpose_layers == 0 and named:
+            raise ValueError(
+                "num_transpose_layers=0 is the dataload-only mode: the owners run a parameter-free preprocess "
+                "(e.g. nn.Identity()) or none and nothing of it is trained, so trainable parameters "
+                f"{[n for n, _ in named][:4]} of the preprocess would get no gradient; pass the preprocess's layer "
+                "count as num_transpose_layers to train it with MPipe, freeze it, or pass preprocess_module=None")
         self._pre_named: list[tuple[str, Any]] = named
         self._agree_on_preprocess()
         trainable = num_transpose_layers > 0 and bool(named)
@@ -159,10 +166,12 @@ class ScheduleMPipeTranspose(ScheduleInterleaved1F1B):
             if missing:
                 raise ValueError(f"num_transpose_layers={self.num_transpose_layers} needs the preprocess_module on "
                                  f"every pipeline rank, but rank(s) {missing} passed none")
-        for key in ("num_transpose_layers", "overflow_mode", "owner_backward", "inputs", "params"):
+        keys = ("num_transpose_layers", "overflow_mode", "owner_backward", "inputs", "params", "has_preprocess")
+        for key in keys if self.num_transpose_layers == 0 else keys[:-1]:  # T=0: all run one, or none does
             for k, theirs in enumerate(everyone):
                 if theirs[key] != everyone[0][key]:
-                    what = "the preprocess's parameter shapes" if key == "params" else key
+                    what = {"params": "the preprocess's parameter shapes",
+                            "has_preprocess": "whether a preprocess_module was passed"}.get(key, key)
                     raise ValueError(f"pipeline ranks disagree on {what}: rank {ranks[0]} has {everyone[0][key]!r} "
                                      f"but rank {ranks[k]} has {theirs[key]!r}")
 
@@ -277,7 +286,11 @@ class MPipeRuntime(PipelineRuntime):
 
     def setup_mpipe(self, schedule: ScheduleMPipeTranspose) -> None:
         self.plan = schedule.plan.with_backward(self.forward_only)
-        self.module = schedule.preprocess_module
+        module = schedule.preprocess_module
+        # T=0 with the framework's identity module is the dataload-only mode for any number of inputs
+        # (nn.Identity takes one); another parameter-free module is run by the owners
+        identity = schedule.num_transpose_layers == 0 and module is not None and self.p.is_identity_module(module)
+        self.module = None if identity else module
         self.pre_params = schedule.preprocess_parameters()
         ranks = schedule.group.ranks
         self.zero = ranks[0]
@@ -291,6 +304,10 @@ class MPipeRuntime(PipelineRuntime):
         self.metas: list[TensorMeta] | None = None  # stage 0's inputs of micro-batch 0 (stage 0's rank)
         self.raw_metas: list[TensorMeta] = []
         self.device = next(iter(self.stages.values())).device
+        # stage 0's rank recomputes the other owners' preprocess: each owner runs its forward from a seed
+        # drawn from its own random state and ships the seed, so the recompute draws the same (dropout) masks
+        self.replay_rng = self.plan.backward == "recompute"
+        self.rng_seeds: dict[int, int] = {}  # j -> seed of its preprocess forward (-1: nothing to replay)
 
     # ------------------------------------------------------------------ driver
     def execute(self, steps: Sequence[MetaStep], custom: dict, ctx: Any) -> None:
@@ -313,16 +330,21 @@ class MPipeRuntime(PipelineRuntime):
         p = self.p
         mine = self.rank == self.zero
         keep = self.plan.backward is not None and (mine or self.plan.backward == "owner")
-        if not self.plan.compute:
+        if self.module is None:  # dataload only
             outputs = tuple(raw)
-        else:
+        else:  # the preprocess, or a parameter-free one with num_transpose_layers=0
             try:
                 if keep:
                     record = p.stage_forward(self.module, raw, {}, self.pre_params, [False] * len(raw))
                     self.pre_records[j] = record
                     outputs = tuple(record.outputs)
                 else:
-                    result = p.stage_forward_no_grad(self.module, raw, {})
+                    seed = -1
+                    if self.replay_rng:  # stage 0's rank recomputes this forward
+                        drawn = p.draw_rng_seed()
+                        seed = -1 if drawn is None else drawn
+                        self.rng_seeds[j] = seed
+                    result = self._seeded(seed, lambda: p.stage_forward_no_grad(self.module, raw, {}))
                     outputs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
             except Exception as exc:
                 raise PreprocessError(f"rank {self.rank}: the preprocess of micro-batch {j} ({step}) failed: "
@@ -340,6 +362,19 @@ class MPipeRuntime(PipelineRuntime):
                              f"{describe(metas)} for micro-batch {j} but {describe(self.metas)} for micro-batch 0")
         self.features[j] = outputs
 
+    def _seeded(self, seed: int, call: Callable[[], Any]) -> Any:
+        """``call()`` with the process-wide random state made from ``seed`` (-1: as it is), the
+        previous state put back after."""
+        if seed < 0:
+            return call()
+        p = self.p
+        outer = p.get_rng_state()
+        p.seed_rng(seed)
+        try:
+            return call()
+        finally:
+            p.set_rng_state(outer)
+
     def _payload_metas(self) -> list[TensorMeta]:
         if self.metas is None:
             raise RuntimeError(f"rank {self.rank}: an MPipe receive came before the preprocess of micro-batch 0")
@@ -350,7 +385,8 @@ class MPipeRuntime(PipelineRuntime):
         tensors = list(self.features.pop(j))
         if self.plan.ship_inputs:
             tensors += list(self.raw[j])
-        header = self.p.tensor(_shape_header([self._meta_of(t, False) for t in tensors]), "int64")
+        seed = [self.rng_seeds.pop(j)] if self.replay_rng else []  # rides at the end of the header
+        header = self.p.tensor(_shape_header([self._meta_of(t, False) for t in tensors]) + seed, "int64")
         header = self.p.to_stage_device(header, self.device)
         for tensor in (header, *tensors):
             tensor = self.p.detach(tensor)
@@ -361,7 +397,7 @@ class MPipeRuntime(PipelineRuntime):
         metas = self._payload_metas()
         peer = self.owner(j)
         expected = _shape_header(metas)
-        buffers = [self.p.empty((len(expected),), "int64", device=self.device)]
+        buffers = [self.p.empty((len(expected) + self.replay_rng,), "int64", device=self.device)]
         buffers += [self.p.empty(m.shape, m.dtype, device=self.device) for m in metas]
         self.incoming[j] = ([self.p.irecv(b, peer) for b in buffers], buffers, step, peer)
 
@@ -369,6 +405,8 @@ class MPipeRuntime(PipelineRuntime):
         handles, buffers, step, peer = self.incoming.pop(j)
         self._wait(handles[0], step, peer)
         header = [int(v) for v in self.p.to_numpy(buffers[0]).reshape(-1)]
+        if self.replay_rng:
+            self.rng_seeds[j] = header.pop()
         expected = _shape_header(self._payload_metas())
         if header != expected:
             raise ValueError(f"MPipe: rank {peer} sent {_read_header(header)} for micro-batch {j}, but rank "
@@ -391,9 +429,11 @@ class MPipeRuntime(PipelineRuntime):
         p = self.p
         record = self.pre_records.pop(j, None)
         try:
-            if record is None:  # recompute on stage 0's rank
+            if record is None:  # recompute on stage 0's rank, drawing what the owner's forward drew
                 raw = self.recompute_inputs.pop(j, None) or self.raw[j]
-                record = p.stage_forward(self.module, raw, {}, self.pre_params, [False] * len(raw))
+                record = self._seeded(self.rng_seeds.pop(j, -1),
+                                      lambda: p.stage_forward(self.module, raw, {}, self.pre_params,
+                                                              [False] * len(raw)))
         except Exception as exc:
             raise PreprocessError(f"rank {self.rank}: the preprocess recompute of micro-batch {j} ({step}) failed: "
                                   f"{type(exc).__name__}: {exc}") from exc

@@ -30,7 +30,13 @@ from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.lowering import peer_rank
 from hyper_parallel.core.pipeline_parallel.meta import TensorMeta, decode_meta, describe, encode_meta
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
-from hyper_parallel.core.pipeline_parallel.wait_watch import wait_log_interval, wait_slot, watched
+from hyper_parallel.core.pipeline_parallel.wait_watch import (
+    WaitSlot,
+    release_slot,
+    wait_log_interval,
+    wait_slot,
+    watched,
+)
 from hyper_parallel.platform.base import Handle, P2POp, Platform, WaitAborted
 
 Key = tuple[int, int]  # (stage index, micro-batch index)
@@ -174,11 +180,22 @@ class PipelineRuntime:
             self._handlers[kind] = lambda step, handler=handler: handler(self, step)
         self.extras: dict[str, Any] = {}  # state of features that add steps (FSDP, swap, ...)
         self.wait_log_interval = wait_log_interval()  # read once per run, not once per wait
-        self._wait_slot = wait_slot(self._waiting_for, self.wait_log_interval)  # None: not watched
+        self._wait_slot: WaitSlot | None = None  # watched during `execute` only; None: not watched
         self.saved_pool = True  # set per run by ``execute``
 
     # ------------------------------------------------------------------ driver
     def execute(self, steps: Sequence[MetaStep], custom: dict[MetaStepType, CustomFunction], ctx: StepContext) -> None:
+        """Run this rank's lowered steps; its waits are watched (logged when long) only meanwhile:
+        the watch thread is released, and joined when no other run uses it, however the run ends."""
+        self._wait_slot = wait_slot(self._waiting_for, self.wait_log_interval)
+        try:
+            self._execute_steps(steps, custom, ctx)
+        finally:
+            slot, self._wait_slot = self._wait_slot, None
+            release_slot(slot)
+
+    def _execute_steps(self, steps: Sequence[MetaStep], custom: dict[MetaStepType, CustomFunction],
+                       ctx: StepContext) -> None:
         tracer = self.tracer if self.tracer is not None and self.tracer.enabled else None
         # the saved-tensor pool is for the dx/dW split, swap steps and custom steps (which may read
         # the records): a run of plain forwards and full backwards goes without it

@@ -6,6 +6,10 @@ that, a user looking at a silent job wants to know what it waits for: a wait sti
 WARNING level on the ``hyper_parallel`` logger. One daemon thread per process looks at the open
 waits; opening and closing a wait only writes a dictionary entry (`watched`), or one attribute of
 a `WaitSlot` that a waiter registered once (the runtime: hundreds of waits per step).
+
+The thread lives only while there is something to watch: when the last open wait closes and the
+last slot is released (`release_slot`, at the end of every run, failed or not), it is stopped and
+joined before that call returns, so no thread of the library outlives a run.
 """
 
 from __future__ import annotations
@@ -57,32 +61,70 @@ class _Watch:
         self._tokens = itertools.count()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._stopping = False  # set (under _life) while a stop is being decided or joined
+        self._exit = False  # tells the loop to return
+        self._lock = threading.Lock()  # the slot set (the loop takes it too)
+        self._life = threading.Lock()  # starting and stopping the thread (never taken by the loop)
 
     def open(self, what: Describe, interval: float) -> int:
         token = next(self._tokens)
         self._open[token] = (time.monotonic(), interval, what)
-        if self._thread is None:
+        if self._stopping or self._thread is None:  # this order: see `_stop_if_idle`
             self._start()
         return token
 
     def close(self, token: int) -> None:
         self._open.pop(token, None)
+        if not self._open and self._thread is not None:
+            self._stop_if_idle()
 
     def add_slot(self, slot: WaitSlot) -> None:
         with self._lock:
             self._slots.add(slot)
-        if self._thread is None:
+        if self._stopping or self._thread is None:  # this order: see `_stop_if_idle`
             self._start()
 
-    def _start(self) -> None:
+    def release_slot(self, slot: WaitSlot) -> None:
         with self._lock:
+            self._slots.discard(slot)
+        slot.current = None
+        self._stop_if_idle()
+
+    def _start(self) -> None:
+        with self._life:  # waits for a stop in progress to finish, then starts a fresh thread
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="hyper-parallel-wait-watch", daemon=True)
                 self._thread.start()
 
+    def _idle(self) -> bool:
+        with self._lock:
+            return not self._open and not len(self._slots)
+
+    def _stop_if_idle(self) -> None:
+        """Stop the thread and join it when nothing is watched (an open or add racing with this either
+        is seen here, or sees ``_stopping`` and starts a fresh thread once the old one is joined).
+        ``_stopping`` is set before the idle check and cleared only after ``_thread = None``, so an
+        opener that reads ``_stopping`` first, then ``_thread``, sees one of the two however the stop
+        interleaves (read the other way round, a stop completing between the reads went unseen)."""
+        with self._life:
+            thread = self._thread
+            if thread is None:
+                return
+            self._stopping = True
+            try:
+                if not self._idle():
+                    return
+                self._exit = True
+                self._wake.set()
+                thread.join()
+                self._thread = None
+                self._exit = False
+                self._wake.clear()
+            finally:
+                self._stopping = False
+
     def _loop(self) -> None:
-        while True:
+        while not self._exit:
             now = time.monotonic()
             soonest = 1.0
             for token, (start, interval, what) in list(self._open.items()):
@@ -105,7 +147,8 @@ class _Watch:
                     _logger.warning("hyper_parallel: %s has waited %.0f s so far", slot.describe(*current[1:]), waited)
                 else:
                     soonest = min(soonest, slot.interval - waited)
-            self._wake.wait(max(soonest, 0.01))
+            if not self._exit:
+                self._wake.wait(max(soonest, 0.01))
 
 
 _WATCH = _Watch()
@@ -142,3 +185,10 @@ def wait_slot(describe: Callable[..., str], interval: float | None = None) -> Wa
     slot = WaitSlot(describe, interval)
     _WATCH.add_slot(slot)
     return slot
+
+
+def release_slot(slot: WaitSlot | None) -> None:
+    """Stop watching ``slot`` (None: nothing to do); when nothing else is watched the watch thread
+    is stopped and joined before this returns."""
+    if slot is not None:
+        _WATCH.release_slot(slot)

@@ -13,7 +13,14 @@ Two interchangeable paths implement ``stage_forward`` / ``stage_backward`` /
     autograd at the same moment are unsafe. The dx/dW split (``_SplitPlan``) captures the gradient
     at each boundary node (input-side node with edges into the weight side) during dx, then cuts
     those nodes' input-side edges and runs the engine once from the captured gradients for dW, so
-    the input side is walked once; if its self-test fails, dW walks the whole graph again. A Cell
+    the input side is walked once; if its self-test fails, dW walks the whole graph again. The
+    gradient captured at a boundary node already went through the tensor hooks of that node's
+    outputs (``Tensor.register_hook`` inside the stage), and the engine would run them again when
+    the weight pass starts there: the hooks registered during the forward are recorded
+    (``_record_hooks``) and those on input-side nodes, all fired by then, are removed after dx, so
+    every tensor hook fires once per backward, as in the full backward. (Hooks on a backward node
+    itself, the private ``_grad_node.register_prehook``, cannot be found that way: on a boundary
+    node they run in both passes.) A Cell
     with an ``@ms.jit`` construct compiles its backward for the first pass only, so for such a
     stage the dx step also takes dW (kept for the weight step).
 
@@ -202,6 +209,37 @@ class _State:
         self.step = new
 
 
+# ---------------------------------------------------------------------------- tensor hooks
+_HOOKS = threading.local()  # .recording: list of (handle, node id) while a stage forward runs here
+
+
+def _record_hooks() -> None:
+    """Make ``Tensor.register_hook`` (and ``Parameter``'s, which calls it) also note, while this
+    thread runs a stage forward, each hook's handle and the backward node of its tensor. Installed
+    once per process; outside a stage forward it only reads a thread-local."""
+    original = ms.Tensor.register_hook
+    if getattr(original, "_hyper_parallel_records", False):
+        return
+
+    @functools.wraps(original)
+    def register_hook(self: Any, hook: Any) -> Any:
+        handle = original(self, hook)
+        recording = getattr(_HOOKS, "recording", None)
+        if recording is not None:
+            recording.append((handle, _node_id(self)))
+        return handle
+
+    register_hook._hyper_parallel_records = True  # type: ignore[attr-defined]
+    ms.Tensor.register_hook = register_hook
+
+
+def _remove_fired_hooks(state: _State, input_side: set[int]) -> None:
+    """Take the hooks of input-side nodes (fired by the input backward) off before the weight pass."""
+    for handle, node in state.extra.pop("hooks", ()):
+        if node in input_side:
+            handle.remove()
+
+
 # ---------------------------------------------------------------------------- engine path
 class EngineAutograd:
     """Stage autograd on MindSpore's eager engine (private ``run_backward``)."""
@@ -215,6 +253,7 @@ class EngineAutograd:
         self._executor = _pynative_executor
         self._run_backward = run_backward
         self.cut_split = _CUT_SPLIT[0] if _CUT_SPLIT else True  # see ``_SplitPlan``; off if its self-test fails
+        _record_hooks()
 
     def self_test(self) -> None:
         """Forward + split backward on a tiny graph; raises if the engine misbehaves. If only the
@@ -262,13 +301,20 @@ class EngineAutograd:
         old_flag, old_enable = executor.grad_flag(), executor.enable_grad()
         executor.set_grad_flag(True)  # per thread; ms.grad & co. reset it
         executor.set_enable_grad(True)
+        hooks: list[tuple[Any, int | None]] = []
+        outer, _HOOKS.recording = getattr(_HOOKS, "recording", None), hooks
         try:
             result = fn(*call_args, **kwargs)
         finally:
+            _HOOKS.recording = outer
             executor.set_grad_flag(old_flag)
             executor.set_enable_grad(old_enable)
+        if outer is not None:  # a stage forward inside another one: the outer record sees these too
+            outer.extend(hooks)
         state = _State(args=tuple(call_args), positions=positions)
         state.extra["jit"] = uses_jit(fn)
+        if hooks:
+            state.extra["hooks"] = hooks
         return ForwardRecord(result, stage_outputs(result), tuple(bool(f) for f in grad_args),
                              _trainable(params), state)
 
@@ -322,6 +368,7 @@ class EngineAutograd:
                 for handle in handles:
                     handle.remove()
             plan.weight_roots = tuple((o, g) for o, g in zip(outs, sens) if _node_id(o) in plan.weight_side_roots)
+            _remove_fired_hooks(state, plan.input_side)
             state.pending = plan
         else:
             values = self._grads_of(outs, sens, leaves, keep_graph=True)
@@ -397,6 +444,7 @@ class _SplitPlan:
 
     boundary: list[tuple[Any, tuple[int, ...]]]  # (node, indices of its weight-side edges)
     weight_side_roots: set[int]  # ids of output nodes on the weight side (outputs of parameters only)
+    input_side: set[int] = field(default_factory=set)  # ids of the input-side nodes (run by dx)
     captured: list[Any] = field(default_factory=list)
     weight_roots: tuple[tuple[Any, Any], ...] = ()
 
@@ -437,7 +485,8 @@ def _plan_split(outs: Sequence[Any], leaves: Sequence[Any], params: Sequence[Any
             else:
                 side[uid] = 2 if 2 in kinds else 0
     weight_roots = {i for i in (_node_id(o) for o in outs) if i is not None and side.get(i) == 2}
-    return _SplitPlan(boundary, weight_roots, [None] * len(boundary))
+    input_side = {uid for uid, kind in side.items() if kind == 1}
+    return _SplitPlan(boundary, weight_roots, input_side, [None] * len(boundary))
 
 
 # ---------------------------------------------------------------------------- recompute path

@@ -241,6 +241,9 @@ class MindSporePlatform(Platform):
         self._autograd.backward_weight(record)
 
     # ------------------------------------------------------------------ parameters and gradients
+    def is_identity_module(self, module: Any) -> bool:
+        return type(module) is ms.nn.Identity  # a subclass may override construct: it runs
+
     def named_parameters(self, module: Any) -> list[tuple[str, Any]]:
         """Trainable parameters of a Cell, named by their ``Parameter.name``."""
         return [(p.name, p) for p in module.trainable_params()]
@@ -382,6 +385,17 @@ class MindSporePlatform(Platform):
         seeds._KERNEL_SEED.clear()  # MindSpore updates this dict in place: keep the object
         seeds._KERNEL_SEED.update(kernel_seeds)
         ms.set_rng_state(generator_state)
+
+    def draw_rng_seed(self) -> int:
+        return int(ops.randint(0, 2**31 - 1, (1,)).asnumpy()[0])  # advances the ``ops`` kernel seeds
+
+    def seed_rng(self, seed: int) -> None:
+        """The ``ops`` random functions' global seed and fresh kernel seeds, and the ``mint``
+        generator, all from ``seed``; numpy's global state is left alone (unlike ``ms.set_seed``)."""
+        seeds = _seed_module()
+        seeds._GLOBAL_SEED = seed
+        seeds._KERNEL_SEED.clear()
+        ms.manual_seed(seed)
 
     # ------------------------------------------------------------------ host offload
     def to_host(self, tensor: Any, non_blocking: bool = False) -> Any:

@@ -255,6 +255,9 @@ class TorchPlatform(Platform):
         stage_backward_weight(record)
 
     # ------------------------------------------------------------------ parameters and gradients
+    def is_identity_module(self, module: Any) -> bool:
+        return type(module) is torch.nn.Identity  # a subclass may override forward: it runs
+
     def named_parameters(self, module: Any) -> list[tuple[str, Any]]:
         return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
@@ -405,6 +408,12 @@ class TorchPlatform(Platform):
         accel = self._accel()
         if device_states is not None and accel is not None:
             accel.set_rng_state_all(device_states)
+
+    def draw_rng_seed(self) -> int:
+        return int(torch.randint(0, 2**31, (), dtype=torch.int64))  # the CPU default generator
+
+    def seed_rng(self, seed: int) -> None:
+        torch.manual_seed(seed)  # the CPU generator and every accelerator's
 
     # ------------------------------------------------------------------ host offload
     def to_host(self, tensor: Any, non_blocking: bool = False) -> Any:

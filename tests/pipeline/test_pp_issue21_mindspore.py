@@ -1,0 +1,188 @@
+"""Issue 21 corners on MindSpore LocalCluster (small: PyNative is slow): the MPipe recompute
+backward replays the owner's random state (dropout in the preprocess), T=0 takes nn.Identity, and
+ZB-H1 / ZB-V on stages with a gradient-scaling tensor hook match the non-pipelined model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpipe_harness import TOL, Case, check, data, mindspore_modules, mse
+
+from hyper_parallel.core.pipeline_parallel.mpipe import ScheduleMPipeTranspose
+from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.local import LocalCluster
+
+ms = pytest.importorskip("mindspore")
+DROP = 0.5
+
+
+def _drop_encoder(encoder):
+    from mindspore import nn, ops
+
+    class DropEncoder(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.log = encoder, []
+
+        def construct(self, image, tokens):
+            h, tokens = self.enc(image, tokens)
+            out = ops.dropout(h, p=DROP)  # draws from the process-wide (ops) random state
+            self.log.append((image.asnumpy().copy(), (out.asnumpy() != 0)))
+            return out, tokens
+
+    return DropEncoder()
+
+
+def _rank(case: Case, kind: str) -> dict:
+    p = get_platform()
+    layers = 1 if kind == "dropout" else 0
+    encoder, bodies = mindspore_modules(p.world_size, layers, True)
+    pre = _drop_encoder(encoder) if kind == "dropout" else ms.nn.Identity()
+    stage = PipelineStage(bodies[p.rank], p.rank, p.world_size)
+    schedule = ScheduleMPipeTranspose(stage, case.micro, pre, layers, loss_fn=mse, **case.options())
+    image, tokens, target = data(case)
+    ms.set_seed(100 + p.rank)
+    out = schedule.run(ms.Tensor(image), ms.Tensor(tokens), target=ms.Tensor(target))
+    grads = {name: p.to_numpy(g).copy() for name, g in schedule.named_gradients().items()}
+    return {"rank": p.rank, "losses": [[float(x.asnumpy()) for x in out]], "grads": grads,
+            "log": getattr(pre, "log", []), "owners": [schedule.owner_of(j) for j in range(case.micro)]}
+
+
+@pytest.mark.timeout(300)
+def test_mpipe_t0_takes_the_identity_cell():
+    case = Case("t0-identity", 1, 3, 0)
+    check(case, LocalCluster(2, platform="mindspore").run(_rank, case, "identity"), "mindspore")
+
+
+def _oracle(case: Case, num_stages: int, masks: list[np.ndarray]) -> tuple[list[float], dict[str, np.ndarray]]:
+    encoder, bodies = mindspore_modules(num_stages, 1, True)
+    image, tokens, target = (ms.Tensor(a) for a in data(case))
+    per = case.per_micro
+    names = [(f"stage{s}.{prm.name}", prm) for s, b in enumerate(bodies) for prm in b.trainable_params()]
+    names += [(f"preprocess.{prm.name}", prm) for prm in _drop_encoder(encoder).trainable_params()]  # its names
+
+    def micro_loss(j: int):
+        rows = slice(j * per, (j + 1) * per)
+        h, tok = encoder(image[rows], tokens[rows])
+        h = bodies[0](h * ms.Tensor(masks[j].astype(np.float32)) / (1 - DROP), tok)
+        for body in bodies[1:]:
+            h = body(h)
+        return ((h - target[rows]) ** 2).mean()
+
+    losses = [float(micro_loss(j).asnumpy()) for j in range(case.micro)]
+
+    def total():
+        out = micro_loss(0) / case.micro
+        for j in range(1, case.micro):
+            out = out + micro_loss(j) / case.micro
+        return out
+
+    _, grads = ms.value_and_grad(total, None, weights=[prm for _, prm in names])()
+    return losses, {name: g.asnumpy() for (name, _), g in zip(names, grads)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("owner_backward", [False, True], ids=["recompute", "owner"])
+def test_mpipe_dropout_preprocess_matches_the_non_pipelined_model(owner_backward):
+    case = Case("dropout", 1, 3, 1, owner_backward=owner_backward)
+    results = LocalCluster(2, platform="mindspore").run(_rank, case, "dropout")
+    image, per = data(case)[0], case.per_micro
+    masks = []
+    for j in range(case.micro):
+        rows = image[j * per:(j + 1) * per]
+        calls = {r["rank"]: [m for img, m in r["log"] if np.array_equal(img, rows)] for r in results}
+        owner = results[0]["owners"][j]
+        forward = calls[owner][0]
+        for rank, found in calls.items():
+            for mask in found:
+                assert np.array_equal(mask, forward), f"micro-batch {j}: rank {rank} drew another mask than rank {owner}"
+        masks.append(forward)
+    assert not any(m.all() for m in masks)
+    assert any(o != 0 for o in results[0]["owners"])  # some micro-batch is preprocessed away from stage 0's rank
+    ref_losses, ref_grads = _oracle(case, 2, masks)
+    tol = TOL["mindspore"]
+    losses = next(r["losses"][0] for r in results if r["losses"][0])
+    np.testing.assert_allclose(losses, ref_losses, **tol)
+    for r in results:
+        for name, g in r["grads"].items():
+            ref = ref_grads[name]
+            np.testing.assert_allclose(g, ref, rtol=tol["rtol"], atol=tol["atol"] * max(float(np.abs(ref).max()), 1.0),
+                                       err_msg=f"{name} on rank {r['rank']}")
+    assert {n for n in ref_grads if n.startswith("preprocess.")} <= set(results[0]["grads"])
+
+
+# ------------------------------------------- zero bubble: a gradient-scaling hook in every stage
+
+D, M, PER = 4, 4, 2
+
+
+def _hooked_stage(s: int, calls: list[int]):
+    """``tanh(x @ w + b)`` with a hook halving the gradient of ``x @ w + b`` (the dx/dW boundary:
+    its node has an edge into ``b``); each call of the hook notes the stage."""
+    from mindspore import nn, ops
+
+    class Hooked(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            rng = np.random.default_rng(10 + s)
+            self.w = ms.Parameter(ms.Tensor((rng.standard_normal((D, D)) * 0.5).astype(np.float32)), name=f"w{s}")
+            self.b = ms.Parameter(ms.Tensor((rng.standard_normal(D) * 0.1).astype(np.float32)), name=f"b{s}")
+
+        def construct(self, x):
+            h = ops.matmul(x, self.w) + self.b
+            h.register_hook(lambda g: (calls.append(s), g * 0.5)[1])
+            return ops.tanh(h)
+
+    return Hooked()
+
+
+def _zb_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((M * PER, D)).astype(np.float32), rng.standard_normal((M * PER, D)).astype(np.float32))
+
+
+def _zb_rank(cls, chunks: int, calls: list[int]) -> dict[str, np.ndarray]:
+    p = get_platform()
+    placement = cls.stage_placement(p.world_size, chunks)
+    stages = [PipelineStage(_hooked_stage(s, calls), s, len(placement)) for s, r in sorted(placement.items())
+              if r == p.rank]
+    schedule = cls(stages if len(stages) > 1 else stages[0], M, loss_fn=mse)
+    x, y = _zb_data()
+    schedule.run(ms.Tensor(x), target=ms.Tensor(y) if any(st.is_last for st in stages) else None)
+    return {prm.name: p.to_numpy(p.get_grad(prm)).copy() for st in stages for prm in st.submodule.trainable_params()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cls_name, chunks", [("ScheduleInterleavedZeroBubble", 1), ("ScheduleZBVZeroBubble", 2)],
+                         ids=["ZB-H1", "ZB-V"])
+def test_zero_bubble_with_a_gradient_scaling_hook_matches_the_non_pipelined_model(cls_name, chunks):
+    """The engine's dx/dW split on every stage: before the fix the weight pass ran the hook again
+    (twice per micro-batch, b's gradient halved once more)."""
+    import hyper_parallel
+
+    cls = getattr(hyper_parallel, cls_name)
+    calls: list[int] = []
+    results = LocalCluster(2, platform="mindspore").run(_zb_rank, cls, chunks, calls)
+    num = 2 * chunks
+    assert sorted(calls) == sorted(list(range(num)) * M)  # once per stage and micro-batch
+    cells = [_hooked_stage(s, []) for s in range(num)]
+    params = [prm for c in cells for prm in c.trainable_params()]
+    x, y = _zb_data()
+
+    def total():
+        out = 0.0
+        for i in range(M):
+            h = ms.Tensor(x[i * PER:(i + 1) * PER])
+            for cell in cells:
+                h = cell(h)
+            out = out + mse(h, ms.Tensor(y[i * PER:(i + 1) * PER])) / M
+        return out
+
+    ref = {prm.name: g.asnumpy() for prm, g in zip(params, ms.grad(total, None, weights=params)())}
+    got = {name: g for r in results for name, g in r.items()}
+    assert set(got) == set(ref)
+    tol = TOL["mindspore"]
+    for name, g in got.items():
+        np.testing.assert_allclose(g, ref[name], rtol=tol["rtol"], atol=tol["atol"] * max(float(np.abs(ref[name]).max()), 1.0),
+                                   err_msg=name)
