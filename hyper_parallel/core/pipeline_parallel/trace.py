@@ -276,3 +276,59 @@ def costs_from_records(records: Sequence[Record], num_stages: int, unit: str = "
             fields.pop("W", None)
         stages.append(StageCost(**fields))
     return CostModel(stages=tuple(stages))
+
+
+# ---------------------------------------------------------------------- causality
+
+
+def causality_violations(records: Sequence[Record], tolerance: float = 0.0) -> list[str]:
+    """Where a measured trace contradicts itself: a compute step that starts, or a wait on a
+    receive that ends, before the peer rank posted the send of what it consumes (times in the
+    records' unit; ``tolerance`` forgives that much). Empty when the ranks' clocks agree.
+
+    Stages are placed on ranks as their compute records show; a forward of stage ``s`` consumes
+    ``SEND_F`` of stage ``s - 1``, a backward (B or I) ``SEND_B`` of stage ``s + 1``, where that
+    stage is on another rank (plain sends or inside ``BATCH``). A compute step is judged by its
+    first part (an OVERLAP pair runs its parts in order); the n-th consumer of a message is
+    matched with its n-th send, so a trace of several runs is judged run by run.
+    """
+    steps = [(r, MetaStep.from_str(r["step"])) for r in records]
+    owner: dict[int, int] = {}
+    for r, step in steps:
+        for part in step.parts:
+            if part.stage_index is not None:
+                owner.setdefault(part.stage_index, r["rank"])
+    sends: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    for r, step in sorted(steps, key=lambda rs: rs[0]["start"]):
+        if r["kind"] != "p2p-issue":
+            continue
+        for op in step.comm_parts:
+            if op.meta_type.code in ("SEND_F", "SEND_B") and op.stage_index is not None:
+                sends[(op.meta_type.code, op.stage_index, op.micro_index)].append(r["start"])
+    used: dict[tuple[str, str, int, int], int] = defaultdict(int)
+    out = []
+    for r, step in sorted(steps, key=lambda rs: rs[0]["start"]):
+        if r["kind"] == "compute" and step.parts:
+            part, when, what = step.parts[0], r["start"], "starts"
+            code = {"F": "F", "B": "B", "I": "B"}.get(part.meta_type.code)
+        elif r["kind"] == "p2p-wait" and step.meta_type.code in ("RECV_F", "RECV_B"):
+            part, when, what = step, r["end"], "ends its wait"
+            code = step.meta_type.code[-1]
+        else:
+            continue
+        if code is None or part.stage_index is None:
+            continue
+        producer = part.stage_index - 1 if code == "F" else part.stage_index + 1
+        if producer not in owner or owner[producer] == r["rank"]:
+            continue  # first/last stage, or the data is handed over on this rank
+        key = (f"SEND_{code}", producer, part.micro_index)
+        n = used[(r["kind"], *key)]
+        used[(r["kind"], *key)] += 1
+        posted = sends.get(key, [])
+        if n >= len(posted):
+            out.append(f"rank {r['rank']}: {r['step']} {what} at {when:.6g} but rank {owner[producer]} never "
+                       f"posted {key[0]}.s{producer}.m{part.micro_index} (occurrence {n + 1})")
+        elif when + tolerance < posted[n]:
+            out.append(f"rank {r['rank']}: {r['step']} {what} at {when:.6g}, before rank {owner[producer]} posted "
+                       f"{key[0]}.s{producer}.m{part.micro_index} at {posted[n]:.6g}")
+    return out
