@@ -10,6 +10,8 @@ import re
 import sys
 from typing import Any
 
+from hyper_parallel.cli_paths import output_path, picture_path
+
 TOOLS = ("simulate", "visualize", "profile", "tune", "partition", "dryrun")
 
 
@@ -107,7 +109,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         try:
             costs = costs.for_stages(stages)
         except ValueError as exc:
-            parser.error(f"argument --costs: {exc}")
+            parser.error(f"argument --costs: {args.costs}: {exc}")
         where = f"costs from {args.costs}"
     try:
         plan, result = simulate_schedule(cls, args.ranks, chunks, args.micro_batches, costs,
@@ -468,8 +470,9 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--compute-only", action="store_true", help="simulate the compute lists without lowering")
     p.add_argument("--chart", choices=("auto", "full", "wrap", "compact"), default="auto", help="chart layout")
     p.add_argument("--width", type=_int_at_least(20), default=None, help="chart width (default: the terminal's)")
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
-    p.add_argument("--png", default=None, help="write a PNG or SVG timeline here (needs matplotlib)")
+    p.add_argument("--trace", type=output_path, default=None, help="write a Chrome/Perfetto trace JSON here")
+    p.add_argument("--png", type=picture_path, default=None,
+                   help="write a PNG or SVG timeline here (needs matplotlib)")
     p.add_argument("--measured", default=None,
                    help="a measured trace to compare with and draw beside the plan")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the chart")
@@ -480,7 +483,8 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
                                    "Chrome trace written by 'simulate --trace'; draw it as PNG/SVG.")
     p.add_argument("trace", metavar="TRACE", help="trace file (JSON)")
     p.add_argument("--plan", default=None, help="a planned trace to compare the measured one with")
-    p.add_argument("--png", default=None, help="write a PNG or SVG timeline here (needs matplotlib)")
+    p.add_argument("--png", type=picture_path, default=None,
+                   help="write a PNG or SVG timeline here (needs matplotlib)")
     p.add_argument("--chart", choices=("auto", "full", "wrap", "compact"), default="auto", help="chart layout")
     p.add_argument("--width", type=_int_at_least(20), default=None, help="chart width (default: the terminal's)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
@@ -501,7 +505,7 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--no-overhead", action="store_true", help="skip the half-batch runs that fit overhead_ms")
     p.add_argument("--as-layers", action="store_true",
                    help="also write the entries as 'layers' so tune and simulate can regroup them")
-    p.add_argument("-o", "--output", default="costs.json", help="costs file to write")
+    p.add_argument("-o", "--output", type=output_path, default="costs.json", help="costs file to write")
     p.add_argument("--json", action="store_true", help="print the costs as JSON")
     p.set_defaults(handler=_profile, sub_parser=p)
 
@@ -524,7 +528,7 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--transport", choices=TRANSPORTS, default="plain", help="P2P transport (with --lowered)")
     p.add_argument("--search", action="store_true",
                    help="also build custom step orders within the memory limit (search-* candidates)")
-    p.add_argument("--save-order", default=None, help="write the chosen searched order here as a schedule CSV")
+    p.add_argument("--save-order", type=output_path, default=None, help="write the chosen searched order here as a schedule CSV")
     p.add_argument("--top", type=_int_at_least(1), default=20, help="table rows to print")
     p.add_argument("--json", action="store_true", help="print the choice and every candidate as JSON")
     p.set_defaults(handler=_tune, sub_parser=p)
@@ -549,6 +553,6 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("script", metavar="SCRIPT", help="the training script")
     p.add_argument("--ranks", type=_int_at_least(1), default=2, help="world size")
     p.add_argument("--backend", choices=("torch", "mindspore"), default="torch", help="framework")
-    p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    p.add_argument("--trace", type=output_path, default=None, help="write a Chrome trace here")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(handler=_dryrun, sub_parser=p, script_args=[])

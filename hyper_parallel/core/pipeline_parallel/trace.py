@@ -129,9 +129,14 @@ def records_from_chrome(trace: dict[str, Any]) -> dict[str, list[Record]]:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             names[e["pid"]] = str(e.get("args", {}).get("name", ""))
     out: dict[str, list[Record]] = defaultdict(list)
-    for e in events:
+    for n, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise ValueError(f"traceEvents[{n}] must be an object, got {e!r}")
         if e.get("ph") != "X":
             continue
+        lacks = [k for k in ("pid", "ts") if not isinstance(e.get(k), (int, float)) or isinstance(e.get(k), bool)]
+        if lacks or not isinstance(e.get("dur", 0.0), (int, float)):
+            raise ValueError(f"traceEvents[{n}]: a complete event ('X') needs numbers pid, ts (and dur), got {e!r}")
         name = names.get(e["pid"], f"rank {e['pid']}")
         label, _, rank = name.rpartition("rank ")
         try:
@@ -164,16 +169,34 @@ def load_trace(path: str | os.PathLike[str]) -> dict[str, list[Record]]:
             data = json.load(f)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    try:
+        parts = _parts(data)
+        for label, records in parts.items():
+            for k, r in enumerate(records):
+                try:
+                    MetaStep.from_str(r["step"])
+                except ValueError as exc:
+                    raise ValueError(f"record {k}{f' ({label})' if label else ''}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return parts
+
+
+def _parts(data: Any) -> dict[str, list[Record]]:
     if isinstance(data, list):
         return {"": merge_records([data])}
     if isinstance(data, dict) and "traceEvents" in data:
         return records_from_chrome(data)
     if isinstance(data, dict) and "records" in data:
         if data.get("format", FORMAT) != FORMAT:
-            raise ValueError(f"{path}: unknown trace format {data.get('format')!r}")
+            raise ValueError(f"unknown trace format {data.get('format')!r}")
+        if not isinstance(data["records"], list):
+            raise ValueError(f"records must be a list, got {data['records']!r}")
         unit = data.get("unit", "s")
         return {"": convert(merge_records([data["records"]]), unit, "s")}
-    raise ValueError(f"{path}: neither a trace file, a list of records nor a Chrome trace")
+    raise ValueError("neither a trace file, a list of records nor a Chrome trace")
 
 
 # ---------------------------------------------------------------------- plan versus run

@@ -1,0 +1,48 @@
+"""argparse ``type``s for the files the ``hyper-parallel`` subcommands write: a path that cannot be
+written fails as a usage error (one ``error:`` line, exit code 2) while the arguments are parsed,
+before any work starts."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import tempfile
+
+PICTURE_EXTENSIONS = (".png", ".svg")
+
+
+def output_path(text: str) -> str:
+    """``text`` unchanged when a file can be written there: its folder exists, is a folder and
+    takes a new file (probed with a temporary file, removed at once), and the path itself is not
+    a folder nor a read-only file."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a file path, got an empty string")
+    path = os.path.abspath(os.path.expanduser(text))
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
+    folder = os.path.dirname(path)
+    if not os.path.exists(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: folder {folder} does not exist")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {folder} is not a folder")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: the file is read-only")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".hyper-parallel-write-check-")
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: folder {folder} is not writable "
+                                         f"({exc.strerror or exc})") from None
+    os.close(fd)
+    os.remove(probe)
+    return text
+
+
+def picture_path(text: str) -> str:
+    """An `output_path` ending in ``.png`` or ``.svg``, with matplotlib installed to draw it."""
+    if os.path.splitext(text)[1].lower() not in PICTURE_EXTENSIONS:
+        raise argparse.ArgumentTypeError(f"cannot tell the picture format of {text!r}: use a .png or .svg name")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("PNG/SVG charts need matplotlib, which is not installed; install it "
+                                         "with pip install 'hyper-parallel[viz]'")
+    return output_path(text)
