@@ -200,34 +200,35 @@ def _plot(parser: argparse.ArgumentParser, path: str, panels: list, title: str) 
 
 
 def _visualize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from hyper_parallel.core.pipeline_parallel.trace import compare, load_trace
+    from hyper_parallel.core.pipeline_parallel.trace import compare, load_trace, load_trace_facts
     from hyper_parallel.core.pipeline_parallel.visualize import ascii_chart, result_from_records
 
     try:
         parts = load_trace(args.trace)
+        facts = load_trace_facts(args.trace)
     except (OSError, ValueError) as exc:
         parser.error(f"argument TRACE: {exc}")
     if not any(parts.values()):
         parser.error(f"argument TRACE: {args.trace} holds no step records")
     plan = _read_trace(parser, args.plan, "--plan") if args.plan else parts.get("plan")
     run = parts.get("run") or parts.get("")
-    shown = [(label or "trace", records) for label, records in sorted(parts.items())]
+    shown = [(label or "trace", records, facts.get(label)) for label, records in sorted(parts.items())]
     if args.plan:
-        shown.insert(0, ("plan", plan))
+        shown.insert(0, ("plan", plan, None))
     report = compare(run, plan, "s", "s") if run and plan else None
     if args.png:
-        _plot(parser, args.png, [(label, records, "s") for label, records in shown], os.path.basename(args.trace))
+        _plot(parser, args.png, [(label, records, "s") for label, records, _ in shown], os.path.basename(args.trace))
     if args.json:
         data = {"trace": args.trace}
-        for label, records in shown:
-            result = result_from_records(records, "s")
+        for label, records, known in shown:
+            result = result_from_records(records, "s", known)
             data[label] = result.summary()
         if report is not None:
             data["compare"] = report
         _print_json(data)
         return 0
-    for label, records in shown:
-        result = result_from_records(records, "s")
+    for label, records, known in shown:
+        result = result_from_records(records, "s", known)
         print(f"{label}: {len({r['rank'] for r in records})} ranks, {len(records)} records (times in ms)")
         print(ascii_chart(result, width=args.width, mode=args.chart))
         print()
@@ -410,7 +411,9 @@ def _dryrun(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
 
         if traced:
-            write_chrome_trace(args.trace, plan, traced)
+            measured_facts = {"peak_activations": {r.rank: r.peak_forwards for r in report.ranks},
+                              "peak_activation_bytes": {r.rank: r.peak_bytes for r in report.ranks}}
+            write_chrome_trace(args.trace, plan, traced, measured_facts=measured_facts)
         elif plan is not None:
             write_chrome_trace(args.trace, plan)
     if args.json:

@@ -313,3 +313,34 @@ def test_a_bad_trace_file_is_one_error_line_naming_the_file(capsys, tmp_path, da
         assert info.value.code == 2 and out == "" and "Traceback" not in err, err
         (line,) = [line for line in err.splitlines() if "error:" in line]
         assert f"argument {option}: {path}: " in line and why in line, line
+
+
+@pytest.mark.parametrize("costs", [False, True])
+def test_visualize_keeps_the_peak_activation_memory_of_a_simulated_trace(capsys, tmp_path, costs):
+    argv = ["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--json", "--trace", str(tmp_path / "plan.json")]
+    if costs:
+        argv += ["--costs", _costs_file(tmp_path)]  # 10 activation bytes per forward
+    code, out, _ = run(capsys, argv)
+    assert code == 0
+    planned = {r["rank"]: (r["peak_activations"], r["peak_activation_bytes"]) for r in json.loads(out)["ranks"]}
+    assert planned == {0: (4, 40.0 if costs else 4.0), 1: (3, 30.0 if costs else 3.0), 2: (2, 20.0 if costs else 2.0),
+                       3: (1, 10.0 if costs else 1.0)}
+    code, out, _ = run(capsys, ["visualize", str(tmp_path / "plan.json"), "--json"])
+    assert code == 0
+    shown = {r["rank"]: (r["peak_activations"], r["peak_activation_bytes"]) for r in json.loads(out)["trace"]["ranks"]}
+    assert shown == planned
+    code, out, _ = run(capsys, ["visualize", str(tmp_path / "plan.json")])
+    memory = 40 if costs else 4
+    assert re.search(rf"^\s+0\s+24\s+0\.2727\s+27\.27%\s+4\s+{memory}$", out, flags=re.M), out
+
+
+def test_visualize_of_a_dryrun_trace_shows_the_measured_activation_memory(capsys, tmp_path):
+    trace = str(tmp_path / "dry.json")
+    code, out, _ = run(capsys, ["dryrun", EXAMPLE, "--ranks", "2", "--trace", trace, "--json", "--",
+                                "--micro-batches", "4", "--steps", "1"])
+    assert code == 0
+    held = {r["rank"]: r["peak_activation_bytes"] for r in json.loads(out[out.index("{"):])["ranks"]}
+    code, out, _ = run(capsys, ["visualize", trace, "--json"])
+    assert code == 0
+    assert {r["rank"]: r["peak_activation_bytes"] for r in json.loads(out)["run"]["ranks"]} == held
+    assert all(v > 0 for v in held.values())

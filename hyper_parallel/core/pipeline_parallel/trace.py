@@ -30,6 +30,11 @@ from typing import Any
 from .ir import MetaStep
 
 FORMAT = "hyper-parallel-trace/1"
+FACTS = "hyper_parallel"
+"""The key, inside a Chrome trace's ``otherData``, of what its records cannot tell: per label
+(``""``, ``plan``, ``run``) and per fact (``peak_activations``, ``peak_activation_bytes``) a
+number per rank (JSON keys: the rank as text)."""
+FACT_NAMES = ("peak_activations", "peak_activation_bytes")
 KINDS = ("compute", "p2p-issue", "p2p-wait", "p2p")
 UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 Record = dict[str, Any]
@@ -197,6 +202,37 @@ def _parts(data: Any) -> dict[str, list[Record]]:
         unit = data.get("unit", "s")
         return {"": convert(merge_records([data["records"]]), unit, "s")}
     raise ValueError("neither a trace file, a list of records nor a Chrome trace")
+
+
+def load_trace_facts(path: str | os.PathLike[str]) -> dict[str, dict[str, dict[int, float | None]]]:
+    """What a Chrome trace written by `visualize.write_chrome_trace` carries beside its records,
+    per label as `load_trace` names them: ``{"plan": {"peak_activation_bytes": {0: 4.0, ...}}}``;
+    empty for other files. ValueError naming the file and the bad entry."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    stored = data.get("otherData", {}).get(FACTS, {}) if isinstance(data, dict) else {}
+    out: dict[str, dict[str, dict[int, float | None]]] = {}
+    try:
+        if not isinstance(stored, dict):
+            raise ValueError(f"otherData.{FACTS} must be an object")
+        for label, facts in stored.items():
+            if not isinstance(facts, dict):
+                raise ValueError(f"otherData.{FACTS}.{label} must be an object")
+            out[label] = {}
+            for name, per_rank in facts.items():
+                if name not in FACT_NAMES or not isinstance(per_rank, dict):
+                    raise ValueError(f"otherData.{FACTS}.{label}: unknown or malformed {name!r}")
+                values: dict[int, float | None] = {}
+                for rank, value in per_rank.items():
+                    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                              or value < 0):
+                        raise ValueError(f"otherData.{FACTS}.{label}.{name}[{rank}] must be a number >= 0, "
+                                         f"got {value!r}")
+                    values[int(rank)] = value
+                out[label][name] = values
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return out
 
 
 # ---------------------------------------------------------------------- plan versus run
