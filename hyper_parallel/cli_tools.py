@@ -53,6 +53,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def _float_list(text: str) -> list[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
@@ -282,23 +292,32 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"argument SCRIPT: {exc}")
     result = profile_stages(spec["stages"], spec["inputs"], platform=platform, loss_fn=spec.get("loss_fn"),
                             target=spec.get("target"), warmup=args.warmup, repeats=args.repeats,
-                            fit_overhead=not args.no_overhead)
+                            fit_overhead=not args.no_overhead, threads=args.threads, max_spread=args.max_spread)
     costs = result.costs
     if args.as_layers:
         costs = CostModel(stages=costs.stages, layers=costs.stages, micro_batch_size=costs.micro_batch_size)
     save_costs(costs, args.output)
     if args.json:
-        _print_json({"output": args.output, "notes": result.notes, "costs": costs.to_json()})
+        _print_json({"output": args.output, "threads": result.threads, "repeats": args.repeats,
+                     "max_spread": args.max_spread, "spread": result.spread, "warnings": result.warnings,
+                     "notes": result.notes, "costs": costs.to_json()})
         return 0
+    threads = "an unknown number of" if result.threads is None else result.threads
     print(f"profiled {len(costs.stages)} stage(s) of {args.script} on {args.backend}, micro-batch size "
-          f"{costs.micro_batch_size} (median of {args.repeats} after {args.warmup} warm-up run(s))")
-    print(f"{'stage':>5} {'F ms':>9} {'B ms':>9} {'I ms':>9} {'W ms':>9} {'act bytes':>11} {'out bytes':>10} "
-          f"{'param bytes':>12} {'overhead':>9}")
+          f"{costs.micro_batch_size}, {threads} CPU thread(s) (median of {args.repeats} after {args.warmup} "
+          "warm-up round(s))")
+    print(f"{'stage':>5} {'F ms':>9} {'B ms':>9} {'I ms':>9} {'W ms':>9} {'spread':>7} {'act bytes':>11} "
+          f"{'out bytes':>10} {'param bytes':>12} {'overhead':>9}")
     for k, s in enumerate(costs.stages):
-        print(f"{k:>5} {s.F:>9.4g} {s.B:>9.4g} {s.I:>9.4g} {s.W:>9.4g} {s.activation_bytes:>11.0f} "
+        spread = max(result.spread[k].values())
+        print(f"{k:>5} {s.F:>9.4g} {s.B:>9.4g} {s.I:>9.4g} {s.W:>9.4g} {spread:>7.0%} {s.activation_bytes:>11.0f} "
               f"{s.output_bytes:>10.0f} {s.param_bytes:>12.0f} {s.overhead_ms:>9.3g}")
+    print(f"spread: the largest median absolute deviation of the stage's F/B/I/W repeats, relative to the median "
+          f"(warned above {args.max_spread:.0%})")
     for note in result.notes:
         print(f"note: {note}")
+    for warning in result.warnings:
+        print(f"warning: {warning}")
     print(f"wrote {args.output}")
     return 0
 
@@ -503,8 +522,13 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--stages", type=_int_at_least(1), default=None,
                    help="number of stages passed to the profile function (default: call it without arguments)")
     p.add_argument("--backend", choices=("torch", "mindspore"), default="torch", help="framework")
-    p.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed runs per stage")
-    p.add_argument("--repeats", type=_int_at_least(1), default=3, help="timed runs per stage (median)")
+    p.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed rounds over all stages")
+    p.add_argument("--repeats", type=_int_at_least(1), default=5,
+                   help="timed rounds over all stages (each stage once per round; the median is kept)")
+    p.add_argument("--threads", type=_int_at_least(1), default=1,
+                   help="CPU threads the framework measures with (1: what torchrun gives each process)")
+    p.add_argument("--max-spread", type=_positive_float, default=0.25,
+                   help="warn when a stage's repeats, or identical stages, differ by more than this fraction")
     p.add_argument("--no-overhead", action="store_true", help="skip the half-batch runs that fit overhead_ms")
     p.add_argument("--as-layers", action="store_true",
                    help="also write the entries as 'layers' so tune and simulate can regroup them")

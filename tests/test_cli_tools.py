@@ -166,6 +166,30 @@ def test_profile_writes_a_costs_file(capsys, tmp_path):
 
 
 @pytest.mark.timeout(200)
+def test_profile_says_what_it_measured_with_and_how_far_to_trust_it(capsys, tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    out_file = str(tmp_path / "costs.json")
+    code, out, _ = run(capsys, ["profile", EXAMPLE, "--stages", "3", "--repeats", "2", "--no-overhead",
+                                "-o", out_file])
+    assert code == 0, out
+    assert ", 1 CPU thread(s) (median of 2 after 1 warm-up round(s))" in out.splitlines()[0]
+    assert out.splitlines()[1].split()[9] == "spread"  # stage, F ms, B ms, I ms, W ms, spread
+    assert "relative to the median (warned above 25%)" in out
+    code, out, _ = run(capsys, ["profile", EXAMPLE, "--stages", "3", "--repeats", "2", "--no-overhead",
+                                "--threads", "2", "--max-spread", "0.5", "-o", out_file, "--json"])
+    data = json.loads(out)
+    assert (data["threads"], data["repeats"], data["max_spread"]) == (2, 2, 0.5)
+    assert len(data["spread"]) == 3 and isinstance(data["warnings"], list)
+    assert torch.get_num_threads() == before  # restored after the measurement
+    for bad, why in (("--threads", "0"), ("--max-spread", "0"), ("--max-spread", "x")):
+        with pytest.raises(SystemExit) as info:
+            main(["profile", EXAMPLE, bad, why])
+        assert info.value.code == 2 and f"argument {bad}: must be" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(200)
 def test_dryrun_reports_boundaries_memory_and_schedule(capsys, tmp_path):
     trace = str(tmp_path / "dry.json")
     code, out, _ = run(capsys, ["dryrun", EXAMPLE, "--ranks", "2", "--trace", trace, "--json", "--",
