@@ -47,7 +47,7 @@ class RankReport:
     peak_bytes: int | None = 0
     schedules: list[dict[str, Any]] = field(default_factory=list)
     trace: list[dict[str, Any]] = field(default_factory=list)
-    trace_origin: float | None = None  # wall-clock time 0 of the first traced run (the trace's origin)
+    trace_origin_ns: int | None = None  # wall-clock time 0 of the first traced run (the trace's origin)
     result: Any = None
 
 
@@ -194,9 +194,9 @@ def _install_schedule_hooks(reports: dict[int, RankReport]) -> Any:
         facts["peak_activations"] = max(facts.get("peak_activations", 0), getattr(self, "peak_activations", 0))
         if isinstance(tracer, StepTracer):
             records = tracer.records()
-            if report.trace_origin is None:
-                report.trace_origin = tracer.origin_wall
-            shift = tracer.origin_wall - report.trace_origin  # later runs after the first, on one clock
+            if report.trace_origin_ns is None:
+                report.trace_origin_ns = tracer.origin_ns
+            shift = (tracer.origin_ns - report.trace_origin_ns) * 1e-9  # later runs after the first, on one clock
             report.trace += [{**r, "start": r["start"] + shift, "end": r["end"] + shift} for r in records]
             facts["traced_steps"] = facts.get("traced_steps", 0) + len(records)
         return out

@@ -44,7 +44,7 @@ def test_local_cluster_trace_is_causal(cls, chunks, transport):
         last = any(s.is_last for s in stages)
         for _ in range(2):  # the second run's origin is agreed again
             sched.run(x, target=y if last else None)
-        return sched.gather_trace(), sched.tracer.clock_error, sched.tracer.origin_wall
+        return sched.gather_trace(), sched.tracer.clock_error, sched.tracer.origin_ns
 
     results = LocalCluster(2).run(body)
     records, error, origin = results[0]

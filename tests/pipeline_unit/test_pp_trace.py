@@ -147,7 +147,7 @@ def test_gather_collects_every_rank_through_the_platform():
 
 class _PeerAnchor:
     """The platform calls ``StepTracer.start`` makes, for rank 1 of two whose peer (rank 0)
-    took its clock anchor at wall time ``peer_wall``: what ``all_gather_object`` would return."""
+    took its clock anchor at wall time ``peer_wall`` (ns): what ``all_gather_object`` would return."""
 
     rank = 1
 
@@ -162,9 +162,9 @@ def test_start_counts_from_the_earliest_ranks_anchor_not_from_its_own_wake_up():
     # rank 1 took its anchor 27 ms (wall) after rank 0: its time 0 is rank 0's, so a step it runs
     # right after start is at 27 ms, not at 0 (a barrier-exit origin gave 0: the issue-25 skew)
     mono = {"t": 50.0}  # this rank's monotonic clock: any origin of its own
-    tracer = StepTracer(enabled=True, clock=lambda: mono["t"], wall_clock=lambda: 1000.027)
-    tracer.start(_PeerAnchor(1000.0))
-    assert tracer.origin_wall == 1000.0 and tracer.rank == 1
+    tracer = StepTracer(enabled=True, clock=lambda: mono["t"], wall_clock=lambda: 1_000_027_000_000)
+    tracer.start(_PeerAnchor(1_000_000_000_000))
+    assert tracer.origin_ns == 1_000_000_000_000 and tracer.rank == 1
     mono["t"] = 50.001
     t0 = tracer.now()
     mono["t"] = 50.003

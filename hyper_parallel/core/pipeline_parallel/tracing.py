@@ -13,8 +13,9 @@ once: two method calls per step. ``step`` may be a `MetaStep` or its text; it is
 text only when the records are read, never on the hot path.
 
 Clocks: each rank measures with ``time.perf_counter`` (its own monotonic clock). With a
-platform, ``start`` pins that clock to the wall clock (``time.time``: one clock for every
-process of a host) and the ranks exchange these anchors in one ``all_gather_object``; time 0 is
+platform, ``start`` pins that clock to the wall clock (``time.time_ns``: one clock for every
+process of a host, read in integer nanoseconds so that no float rounding of the epoch time
+enters) and the ranks exchange these anchors in one ``all_gather_object``; time 0 is
 the earliest rank's anchor, and every rank counts from that same instant. A barrier would not
 do: a rank that wakes from it late (a busy machine, the GIL of LocalCluster) would start its
 clock late and its records would shift against its peers'. ``clock_error`` says how exact the
@@ -44,17 +45,17 @@ _ANCHOR_READS = 5  # pairs of wall-clock reads around one monotonic read; the ti
 class StepTracer:
     """Per-rank recorder of (step, kind, start, end); see the module docstring."""
 
-    __slots__ = ("enabled", "rank", "origin_wall", "clock_error", "_clock", "_wall", "_origin", "_items")
+    __slots__ = ("enabled", "rank", "origin_ns", "clock_error", "_clock", "_wall", "_origin", "_items")
 
     def __init__(self, enabled: bool = False, rank: int = 0, clock: Callable[[], float] = time.perf_counter,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], int] = time.time_ns) -> None:
         self.enabled = bool(enabled)
         self.rank = rank
         self._clock = clock
         self._wall = wall_clock
         self._origin = clock()
-        self.origin_wall = 0.0
-        """Time 0 of the last ``start`` on the wall clock (seconds since the epoch; 0.0 before any
+        self.origin_ns = 0
+        """Time 0 of the last ``start`` on the wall clock (nanoseconds since the epoch; 0 before any
         ``start`` with a platform): the same on every rank of a run."""
         self.clock_error = 0.0
         """Seconds: how far two ranks' time 0 may differ from the reading of their anchors (one host)."""
@@ -73,24 +74,25 @@ class StepTracer:
         self.rank = group.group_rank(platform.rank) if group is not None else platform.rank
         wall, mono, error = self._anchor()
         anchors = platform.all_gather_object((wall, error), group)
-        self.origin_wall = min(w for w, _ in anchors)
+        self.origin_ns = min(w for w, _ in anchors)
         errors = sorted(e for _, e in anchors)
         self.clock_error = errors[-1] + (errors[-2] if len(errors) > 1 else 0.0)
-        self._origin = mono - (wall - self.origin_wall)
+        self._origin = mono - (wall - self.origin_ns) * 1e-9
 
-    def _anchor(self) -> tuple[float, float, float]:
-        """(wall time, monotonic time, error): one monotonic read between two wall-clock reads,
-        the tightest pair of several; the wall time is their midpoint, the error half their gap."""
+    def _anchor(self) -> tuple[int, float, float]:
+        """(wall time in ns, monotonic time in s, error in s): one monotonic read between two
+        wall-clock reads, the tightest pair of several; the wall time is their midpoint, the
+        error half their gap plus the wall clock's resolution."""
         wall, clock = self._wall, self._clock
-        best = (0.0, 0.0, float("inf"))
+        best = (0, 0.0, -1)
         for _ in range(_ANCHOR_READS):
             before = wall()
             mono = clock()
             after = wall()
-            if (after - before) / 2 < best[2]:
-                best = ((before + after) / 2, mono, (after - before) / 2)
-        resolution = time.get_clock_info("time").resolution if wall is time.time else 0.0
-        return best[0], best[1], best[2] + resolution
+            if best[2] < 0 or after - before < best[2]:
+                best = ((before + after) // 2, mono, after - before)
+        resolution = time.get_clock_info("time").resolution if wall is time.time_ns else 0.0
+        return best[0], best[1], best[2] * 0.5e-9 + resolution
 
     def now(self) -> float:
         """Seconds since ``start`` (0.0 when disabled)."""
