@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -53,14 +54,23 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
+def _float_from(low: float, inclusive: bool) -> Any:
+    """An argparse ``type`` for finite numbers above ``low`` (or from it, when ``inclusive``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if inclusive else '>'} {low:g}, "
+                                             f"got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_float = _float_from(0.0, inclusive=False)
 
 
 def _float_list(text: str) -> list[float]:
@@ -549,7 +559,7 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--chunks", type=_int_list, default=[1, 2, 3, 4], help="chunk counts to try")
     p.add_argument("--micro-batches", type=_int_list, default=None,
                    help="micro-batch counts to try (default: every divisor of the global batch)")
-    p.add_argument("--state-factor", type=float, default=4.0,
+    p.add_argument("--state-factor", type=_float_from(0.0, inclusive=True), default=4.0,
                    help="bytes of weights, gradients and optimizer state per parameter byte")
     p.add_argument("--lowered", action="store_true", help="simulate lowered lists (slower)")
     p.add_argument("--transport", choices=TRANSPORTS, default="plain", help="P2P transport (with --lowered)")

@@ -75,6 +75,11 @@ def test_simulate_with_costs_file_and_batch_transport(capsys, tmp_path):
      "argument --memory-limit: must be a byte count"),
     (["partition", "-p", "2"], "give exactly one of --costs and --layer-costs"),
     (["visualize", "/nonexistent.json"], "argument TRACE:"),
+    (["tune", "--costs", "c.json", "--memory-limit", "1GB", "--global-batch", "8", "-p", "2", "--state-factor=-1"],
+     "argument --state-factor: must be a finite number >= 0, got '-1'"),
+    (["tune", "--costs", "c.json", "--memory-limit", "1GB", "--global-batch", "8", "-p", "2", "--state-factor", "nan"],
+     "argument --state-factor: must be a finite number >= 0, got 'nan'"),
+    (["profile", "s.py", "--max-spread", "inf"], "argument --max-spread: must be a finite number > 0, got 'inf'"),
 ])
 def test_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as info:
