@@ -5,19 +5,21 @@ before any work starts."""
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
 import os
-import tempfile
 
 PICTURE_EXTENSIONS = (".png", ".svg")
 
 
 def output_path(text: str) -> str:
-    """``text`` unchanged when a file can be written there: its folder exists, is a folder and
-    takes a new file (probed with a temporary file, removed at once), and the path itself is not
-    a folder nor a read-only file."""
+    """``text`` unchanged when a file can be written there: its folder exists and is a folder, the
+    path itself is not a folder nor a read-only file, and when no file is there yet one can be
+    created under that very name (probed, removed at once)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("must be a file path, got an empty string")
+    if text.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: a file name cannot end with {text[-1]!r}")
     path = os.path.abspath(os.path.expanduser(text))
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
@@ -28,13 +30,16 @@ def output_path(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot write {text}: {folder} is not a folder")
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: the file is read-only")
-    try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".hyper-parallel-write-check-")
+    if os.path.exists(path):
+        return text
+    try:  # the very name, so that one no file can have (too long, say) fails here
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot write {text}: folder {folder} is not writable "
-                                         f"({exc.strerror or exc})") from None
+        why = (f"folder {folder} is not writable" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT)
+               else "no file can have this name")
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {why} ({exc.strerror or exc})") from None
     os.close(fd)
-    os.remove(probe)
+    os.remove(path)
     return text
 
 

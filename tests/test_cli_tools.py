@@ -279,6 +279,20 @@ def test_an_output_path_that_cannot_be_written_is_a_usage_error_before_any_work(
         assert option in errors[0] and (why in errors[0] or "matplotlib" in errors[0]), err
 
 
+@pytest.mark.parametrize("name", ["new.json/", "x" * 300 + ".json"], ids=["trailing-slash", "name-too-long"])
+def test_an_output_name_no_file_can_have_is_a_usage_error_before_any_work(capsys, tmp_path, name):
+    # the folder exists and is writable, but no file can be created under this very name
+    for argv in (["simulate", "-p", "2", "-m", "2", "--trace"],
+                 ["tune", "--costs", _costs_file(tmp_path), "--memory-limit", "1GB", "--global-batch", "4", "-p",
+                  "2", "--search", "--save-order"]):
+        with pytest.raises(SystemExit) as info:
+            main([*argv, f"{tmp_path}{os.sep}{name}"])  # not tmp_path / name: pathlib drops a trailing slash
+        out, err = capsys.readouterr()
+        assert info.value.code == 2 and out == "" and "Traceback" not in err, err
+        assert f"error: argument {argv[-1]}: cannot write" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["costs.json"]  # the check leaves nothing behind
+
+
 def test_a_picture_path_needs_a_known_extension(capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
         main(["simulate", "--png", str(tmp_path / "chart.gif")])
