@@ -358,6 +358,29 @@ def test_a_bad_trace_file_is_one_error_line_naming_the_file(capsys, tmp_path, da
         assert f"argument {option}: {path}: " in line and why in line, line
 
 
+@pytest.mark.parametrize("other", ["a string", [1, 2], 5, None])
+def test_a_chrome_trace_with_a_foreign_other_data_still_loads(capsys, tmp_path, other):
+    # otherData is free-form for other tools; only its hyper_parallel entry is ours to check
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [{"ph": "X", "pid": 0, "ts": 0, "dur": 1000, "name": "F.s0.m0"}],
+                                "otherData": other}))
+    code, out, err = run(capsys, ["visualize", str(path), "--json"])
+    assert code == 0 and "Traceback" not in err, err
+    assert json.loads(out)["trace"]["makespan_ms"] == pytest.approx(1.0)
+
+
+def test_a_malformed_hyper_parallel_entry_of_other_data_is_one_error_line(capsys, tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [{"ph": "X", "pid": 0, "ts": 0, "dur": 1000, "name": "F.s0.m0"}],
+                                "otherData": {"hyper_parallel": {"": {"peak_activations": {"zero": 1}}}}}))
+    with pytest.raises(SystemExit) as info:
+        main(["visualize", str(path)])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == "" and "Traceback" not in err, err
+    (line,) = [line for line in err.splitlines() if "error:" in line]
+    assert f"argument TRACE: {path}: " in line and "peak_activations" in line, line
+
+
 @pytest.mark.parametrize("costs", [False, True])
 def test_visualize_keeps_the_peak_activation_memory_of_a_simulated_trace(capsys, tmp_path, costs):
     argv = ["simulate", "--schedule", "1f1b", "-p", "4", "-m", "8", "--json", "--trace", str(tmp_path / "plan.json")]

@@ -210,7 +210,8 @@ def load_trace_facts(path: str | os.PathLike[str]) -> dict[str, dict[str, dict[i
     empty for other files. ValueError naming the file and the bad entry."""
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
-    stored = data.get("otherData", {}).get(FACTS, {}) if isinstance(data, dict) else {}
+    other = data.get("otherData") if isinstance(data, dict) else None
+    stored = other.get(FACTS, {}) if isinstance(other, dict) else {}  # otherData is free-form for other tools
     out: dict[str, dict[str, dict[int, float | None]]] = {}
     try:
         if not isinstance(stored, dict):
@@ -224,6 +225,8 @@ def load_trace_facts(path: str | os.PathLike[str]) -> dict[str, dict[str, dict[i
                     raise ValueError(f"otherData.{FACTS}.{label}: unknown or malformed {name!r}")
                 values: dict[int, float | None] = {}
                 for rank, value in per_rank.items():
+                    if not rank.isdigit():
+                        raise ValueError(f"otherData.{FACTS}.{label}.{name}: the keys must be ranks, got {rank!r}")
                     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                               or value < 0):
                         raise ValueError(f"otherData.{FACTS}.{label}.{name}[{rank}] must be a number >= 0, "
