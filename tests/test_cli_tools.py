@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO_ROOT
 
 from hyper_parallel.cli import main
+from hyper_parallel.core.pipeline_parallel.trace import causality_violations, load_trace
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "pipeline_mlp.py")
 
@@ -379,6 +380,22 @@ def test_a_malformed_hyper_parallel_entry_of_other_data_is_one_error_line(capsys
     assert info.value.code == 2 and out == "" and "Traceback" not in err, err
     (line,) = [line for line in err.splitlines() if "error:" in line]
     assert f"argument TRACE: {path}: " in line and "peak_activations" in line, line
+
+
+def test_visualize_loads_a_compute_only_simulate_trace(capsys, tmp_path):
+    # without lowering, a wait names what it waits for ("B.s3.m0 or I.s3.m0"), not a step: only the
+    # compute records' steps must parse
+    path = str(tmp_path / "plan.json")
+    code, out, _ = run(capsys, ["simulate", "--schedule", "interleaved-1f1b", "-p", "2", "-m", "4", "-v", "2",
+                                "--compute-only", "--json", "--trace", path])
+    assert code == 0
+    planned = [r["peak_activations"] for r in json.loads(out)["ranks"]]
+    assert any(" or " in r["step"] for r in load_trace(path)[""])
+    code, out, err = run(capsys, ["visualize", path, "--json"])
+    assert code == 0 and "Traceback" not in err, err
+    assert [r["peak_activations"] for r in json.loads(out)["trace"]["ranks"]] == planned
+    # no sends in an unlowered plan: every cross-rank consumer is reported (and nothing raises)
+    assert all("never posted" in v for v in causality_violations(load_trace(path)[""]))
 
 
 @pytest.mark.parametrize("costs", [False, True])

@@ -180,6 +180,8 @@ def load_trace(path: str | os.PathLike[str]) -> dict[str, list[Record]]:
         parts = _parts(data)
         for label, records in parts.items():
             for k, r in enumerate(records):
+                if r["kind"] != "compute":
+                    continue  # only compute steps are read as steps; a wait may name what it waits for
                 try:
                     MetaStep.from_str(r["step"])
                 except ValueError as exc:
@@ -354,7 +356,14 @@ def causality_violations(records: Sequence[Record], tolerance: float = 0.0) -> l
     first part (an OVERLAP pair runs its parts in order); the n-th consumer of a message is
     matched with its n-th send, so a trace of several runs is judged run by run.
     """
-    steps = [(r, MetaStep.from_str(r["step"])) for r in records]
+    steps = []
+    for r in records:
+        try:
+            steps.append((r, MetaStep.from_str(r["step"])))
+        except ValueError:
+            if r["kind"] == "compute":
+                raise
+            # a wait of a plan without lowering names what it waits for ("B.s3.m0 or I.s3.m0")
     owner: dict[int, int] = {}
     for r, step in steps:
         for part in step.parts:
