@@ -20,7 +20,7 @@ def output_path(text: str) -> str:
         raise argparse.ArgumentTypeError("must be a file path, got an empty string")
     if text.endswith(("/", os.sep)):
         raise argparse.ArgumentTypeError(f"cannot write {text}: a file name cannot end with {text[-1]!r}")
-    path = os.path.abspath(os.path.expanduser(text))
+    path = os.path.realpath(os.path.expanduser(text))  # a link to a file not written yet: where it points
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
     folder = os.path.dirname(path)

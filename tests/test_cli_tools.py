@@ -294,6 +294,18 @@ def test_an_output_name_no_file_can_have_is_a_usage_error_before_any_work(capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["costs.json"]  # the check leaves nothing behind
 
 
+def test_an_output_path_may_be_a_link_to_a_file_not_written_yet(capsys, tmp_path):
+    (tmp_path / "out").mkdir()
+    link, broken = tmp_path / "trace.json", tmp_path / "broken.json"
+    link.symlink_to(tmp_path / "out" / "trace.json")
+    broken.symlink_to(tmp_path / "missing" / "trace.json")
+    code, out, _ = run(capsys, ["simulate", "-p", "2", "-m", "2", "--trace", str(link)])
+    assert code == 0 and (tmp_path / "out" / "trace.json").is_file()
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "-p", "2", "-m", "2", "--trace", str(broken)])
+    assert info.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
 def test_a_picture_path_needs_a_known_extension(capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
         main(["simulate", "--png", str(tmp_path / "chart.gif")])
