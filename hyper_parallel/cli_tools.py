@@ -195,14 +195,19 @@ def _compare_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _read_trace(parser: argparse.ArgumentParser, path: str, option: str) -> Any:
-    from hyper_parallel.core.pipeline_parallel.trace import load_trace
+def _read_trace(parser: argparse.ArgumentParser, path: str, option: str, with_facts: bool = False) -> Any:
+    """The run (else the only part, else the first) of a trace file; with ``with_facts`` also what
+    its ``otherData`` says of that part (`trace.load_trace_facts`)."""
+    from hyper_parallel.core.pipeline_parallel.trace import load_trace, load_trace_facts
 
     try:
         parts = load_trace(path)
+        facts = load_trace_facts(path) if with_facts else {}
     except (OSError, ValueError) as exc:
         parser.error(f"argument {option}: {exc}")
-    return parts.get("run") or parts.get("") or next(iter(parts.values()), [])
+    label = next((k for k in ("run", "") if parts.get(k)), next(iter(parts), ""))
+    records = parts.get(label, [])
+    return (records, facts.get(label)) if with_facts else records
 
 
 def _plot(parser: argparse.ArgumentParser, path: str, panels: list, title: str) -> None:
@@ -230,11 +235,12 @@ def _visualize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         parser.error(f"argument TRACE: {exc}")
     if not any(parts.values()):
         parser.error(f"argument TRACE: {args.trace} holds no step records")
-    plan = _read_trace(parser, args.plan, "--plan") if args.plan else parts.get("plan")
+    plan, plan_facts = _read_trace(parser, args.plan, "--plan", with_facts=True) if args.plan else (parts.get("plan"),
+                                                                                                   None)
     run = parts.get("run") or parts.get("")
     shown = [(label or "trace", records, facts.get(label)) for label, records in sorted(parts.items())]
     if args.plan:
-        shown.insert(0, ("plan", plan, None))
+        shown.insert(0, ("plan", plan, plan_facts))
     report = compare(run, plan, "s", "s") if run and plan else None
     if args.png:
         _plot(parser, args.png, [(label, records, "s") for label, records, _ in shown], os.path.basename(args.trace))

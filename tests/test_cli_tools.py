@@ -429,6 +429,20 @@ def test_visualize_keeps_the_peak_activation_memory_of_a_simulated_trace(capsys,
     assert re.search(rf"^\s+0\s+24\s+0\.2727\s+27\.27%\s+4\s+{memory}$", out, flags=re.M), out
 
 
+def test_visualize_with_a_simulated_plan_given_by_plan_keeps_its_peak_activation_memory(capsys, tmp_path):
+    plan = str(tmp_path / "plan.json")
+    code, out, _ = run(capsys, ["simulate", "-p", "2", "-m", "4", "--costs", _costs_file(tmp_path), "--json",
+                                "--trace", plan])
+    assert code == 0
+    planned = {r["rank"]: r["peak_activation_bytes"] for r in json.loads(out)["ranks"]}
+    assert planned == {0: 20.0, 1: 10.0}  # 10 activation bytes per forward held
+    measured = tmp_path / "run.json"  # a records file (as gather_trace gives) of the same schedule
+    measured.write_text(json.dumps(load_trace(plan)[""]))
+    code, out, _ = run(capsys, ["visualize", str(measured), "--plan", plan, "--json"])
+    assert code == 0
+    assert {r["rank"]: r["peak_activation_bytes"] for r in json.loads(out)["plan"]["ranks"]} == planned
+
+
 def test_visualize_of_a_dryrun_trace_shows_the_measured_activation_memory(capsys, tmp_path):
     trace = str(tmp_path / "dry.json")
     code, out, _ = run(capsys, ["dryrun", EXAMPLE, "--ranks", "2", "--trace", trace, "--json", "--",
