@@ -13,14 +13,15 @@ PICTURE_EXTENSIONS = (".png", ".svg")
 
 
 def output_path(text: str) -> str:
-    """``text`` unchanged when a file can be written there: its folder exists and is a folder, the
+    """``text`` (with ``~`` expanded) when a file can be written there: its folder exists and is a folder, the
     path itself is not a folder nor a read-only file, and when no file is there yet one can be
     created under that very name (probed, removed at once)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("must be a file path, got an empty string")
     if text.endswith(("/", os.sep)):
         raise argparse.ArgumentTypeError(f"cannot write {text}: a file name cannot end with {text[-1]!r}")
-    path = os.path.realpath(os.path.expanduser(text))  # a link to a file not written yet: where it points
+    text = os.path.expanduser(text)  # what is checked is what gets written (a quoted ~ too)
+    path = os.path.realpath(text)  # a link to a file not written yet: where it points
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
     folder = os.path.dirname(path)

@@ -306,6 +306,13 @@ def test_an_output_path_may_be_a_link_to_a_file_not_written_yet(capsys, tmp_path
     assert info.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
+def test_an_output_path_with_a_quoted_tilde_is_written_in_the_home_folder(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    code, out, err = run(capsys, ["simulate", "-p", "2", "-m", "2", "--trace", "~/trace.json"])
+    assert code == 0 and "Traceback" not in err, err
+    assert (tmp_path / "trace.json").is_file() and f"wrote {tmp_path / 'trace.json'}" in out
+
+
 def test_a_picture_path_needs_a_known_extension(capsys, tmp_path):
     with pytest.raises(SystemExit) as info:
         main(["simulate", "--png", str(tmp_path / "chart.gif")])
