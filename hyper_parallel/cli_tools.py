@@ -446,9 +446,7 @@ def _dryrun(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
 
         if traced:
-            measured_facts = {"peak_activations": {r.rank: r.peak_forwards for r in report.ranks},
-                              "peak_activation_bytes": {r.rank: r.peak_bytes for r in report.ranks}}
-            write_chrome_trace(args.trace, plan, traced, measured_facts=measured_facts)
+            write_chrome_trace(args.trace, plan, traced, measured_facts=report.trace_facts())
         elif plan is not None:
             write_chrome_trace(args.trace, plan)
     if args.json:

@@ -61,6 +61,14 @@ class DryRunReport:
     ranks: list[RankReport]
     check: dict[str, Any] = field(default_factory=dict)
 
+    def trace_facts(self) -> dict[str, dict[int, Any]]:
+        """What the watchers saw per rank, for a trace's ``otherData`` (`visualize.write_chrome_trace`):
+        peak forwards held and their bytes; None for a rank where they saw no forward at all (its
+        backend's stage calls went unwatched), so a viewer counts the peaks from the records instead."""
+        seen = {r.rank: r.peak_forwards > 0 for r in self.ranks}
+        return {"peak_activations": {r.rank: r.peak_forwards if seen[r.rank] else None for r in self.ranks},
+                "peak_activation_bytes": {r.rank: r.peak_bytes if seen[r.rank] else None for r in self.ranks}}
+
     def boundaries(self) -> list[dict[str, Any]]:
         """Distinct messages: (src, dst, dtype, shape) with their count and bytes each."""
         rows = []

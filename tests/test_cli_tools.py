@@ -450,6 +450,25 @@ def test_visualize_with_a_simulated_plan_given_by_plan_keeps_its_peak_activation
     assert {r["rank"]: r["peak_activation_bytes"] for r in json.loads(out)["plan"]["ranks"]} == planned
 
 
+def test_visualize_of_a_dryrun_trace_counts_the_peaks_of_a_rank_the_watchers_did_not_see(capsys, tmp_path):
+    # MindSpore's dry run of examples/mindspore_decoder.py watches no stage call ("peak 0 forward(s)"):
+    # its 0 must not replace the peak that the records show
+    from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
+    from hyper_parallel.dryrun import DryRunReport, RankReport
+
+    steps = ["F.s{r}.m0", "F.s{r}.m1", "B.s{r}.m0", "B.s{r}.m1"]
+    records = [{"rank": r, "step": s.format(r=r), "kind": "compute", "start": k * 1e-3, "end": (k + 1) * 1e-3}
+               for r in (0, 1) for k, s in enumerate(steps)]
+    report = DryRunReport("s.py", 2, "mindspore", [RankReport(0, peak_forwards=0, peak_bytes=0),
+                                                   RankReport(1, peak_forwards=2, peak_bytes=None)])
+    path = tmp_path / "dry.json"
+    write_chrome_trace(path, None, records, measured_facts=report.trace_facts())
+    code, out, _ = run(capsys, ["visualize", str(path), "--json"])
+    assert code == 0
+    shown = {r["rank"]: (r["peak_activations"], r["peak_activation_bytes"]) for r in json.loads(out)["trace"]["ranks"]}
+    assert shown == {0: (2, 0.0), 1: (2, 0.0)}
+
+
 def test_visualize_of_a_dryrun_trace_shows_the_measured_activation_memory(capsys, tmp_path):
     trace = str(tmp_path / "dry.json")
     code, out, _ = run(capsys, ["dryrun", EXAMPLE, "--ranks", "2", "--trace", trace, "--json", "--",
