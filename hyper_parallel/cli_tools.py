@@ -137,13 +137,13 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ValueError, ScheduleError) as exc:
         print(f"hyper-parallel simulate: {exc}", file=sys.stderr)
         return 1
-    measured = None
+    measured, measured_facts = None, None
     if args.measured:
-        measured = _read_trace(parser, args.measured, "--measured")
+        measured, measured_facts = _read_trace(parser, args.measured, "--measured", with_facts=True)
     if args.trace:
         from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
 
-        write_chrome_trace(args.trace, result, measured)
+        write_chrome_trace(args.trace, result, measured, measured_facts=measured_facts)
     if args.png:
         _plot(parser, args.png, [("plan", result.records, "ms")] + ([("run", measured, "s")] if measured else []),
               f"{plan.name}: p={args.ranks}, v={plan.num_chunks}, m={args.micro_batches}")

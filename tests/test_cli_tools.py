@@ -469,6 +469,23 @@ def test_visualize_of_a_dryrun_trace_counts_the_peaks_of_a_rank_the_watchers_did
     assert shown == {0: (2, 0.0), 1: (2, 0.0)}
 
 
+def test_simulate_measured_and_trace_keeps_what_the_measured_file_knew_of_its_run(capsys, tmp_path):
+    from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
+
+    steps = ["F.s{r}.m0", "F.s{r}.m1", "B.s{r}.m0", "B.s{r}.m1"]
+    records = [{"rank": r, "step": s.format(r=r), "kind": "compute", "start": k * 1e-3, "end": (k + 1) * 1e-3}
+               for r in (0, 1) for k, s in enumerate(steps)]
+    dry = tmp_path / "dry.json"  # a run as 'dryrun --trace' stores it: the bytes it held per rank
+    write_chrome_trace(dry, None, records, measured_facts={"peak_activations": {0: 2, 1: 2},
+                                                            "peak_activation_bytes": {0: 6144, 1: 3584}})
+    both = str(tmp_path / "both.json")
+    code, _, _ = run(capsys, ["simulate", "-p", "2", "-m", "2", "--measured", str(dry), "--trace", both])
+    assert code == 0
+    code, out, _ = run(capsys, ["visualize", both, "--json"])
+    assert code == 0
+    assert [r["peak_activation_bytes"] for r in json.loads(out)["run"]["ranks"]] == [6144, 3584]
+
+
 def test_visualize_of_a_dryrun_trace_shows_the_measured_activation_memory(capsys, tmp_path):
     trace = str(tmp_path / "dry.json")
     code, out, _ = run(capsys, ["dryrun", EXAMPLE, "--ranks", "2", "--trace", trace, "--json", "--",
