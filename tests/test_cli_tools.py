@@ -324,6 +324,8 @@ BAD_COSTS = [
     ({"stages": [{"F": 1}], "p2p": 5}, "p2p must be an object"),
     ({"stages": [{"F": 1}], "p2p": {"latency_ms": -3}}, "p2p.latency_ms must be a finite number >= 0, got -3"),
     ({"stages": [{"F": 1}], "p2p": {"latency_ms": "fast"}}, "p2p.latency_ms must be a finite number >= 0, got 'fast'"),
+    ({"stages": [{"F": 1}], "p2p": {"bandwidth_gb_per_s": 0}},
+     "p2p.bandwidth_gb_per_s must be > 0 (leave it out for an infinitely fast link), got 0"),
     ({"stages": 5}, "stages must be a list of objects, got 5"),
     ({"layers": {"F": 1}}, "layers must be a list of objects"),
     ({"stages": [{"F": -1}]}, "stages[0]: F must be a finite number >= 0, got -1"),

@@ -311,7 +311,8 @@ class CostModel:
         if bad:
             raise ValueError(f"unknown p2p field(s): {', '.join(bad)}; valid: latency_ms, bandwidth_gb_per_s")
         _number("p2p.latency_ms", p2p.get("latency_ms", 0.0))
-        _number("p2p.bandwidth_gb_per_s", p2p.get("bandwidth_gb_per_s"), allow_none=True)
+        if _number("p2p.bandwidth_gb_per_s", p2p.get("bandwidth_gb_per_s"), allow_none=True) == 0:
+            raise ValueError("p2p.bandwidth_gb_per_s must be > 0 (leave it out for an infinitely fast link), got 0")
         for key in ("stages", "layers"):
             if not isinstance(data.get(key) or [], list):
                 raise ValueError(f"{key} must be a list of objects, got {data[key]!r}")
