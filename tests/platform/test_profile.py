@@ -139,3 +139,9 @@ def test_identical_stages_are_those_of_one_module_type_shapes_and_role():
     assert sig[0] == sig[1] != sig[2]
     assert _signature(p, same[0], (x,), True, False) != sig[0]  # the first stage computes no input gradient
     assert _signature(p, same[0], (torch.ones(4, 16),), False, False) != sig[0]
+    # the same parameters around different parameter-free work are not the same stage
+    relu = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    dropout = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5))
+    assert len({_signature(p, m, (x,), False, False) for m in (same[0], relu, dropout)}) == 3
+    assert _signature(p, dropout, (x,), False, False) != _signature(
+        p, torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.1)), (x,), False, False)

@@ -154,12 +154,13 @@ def _spread(values: list[float]) -> float:
 
 
 def _signature(platform: Any, module: Any, args: tuple[Any, ...], first: bool, last: bool) -> Any:
-    """What makes two stages the same work: module type, parameter shapes and dtypes, input shapes
-    and whether the stage is the first (no input gradient) or the last (the loss)."""
+    """What makes two stages the same work: module type and structure (its ``repr``: submodules
+    without parameters, such as activations, and their settings), parameter shapes and dtypes,
+    input shapes and whether the stage is the first (no input gradient) or the last (the loss)."""
     params = tuple((name, tuple(platform.shape(p)), platform.dtype_name(p))
                    for name, p in platform.named_parameters(module))
     shapes = tuple(tuple(platform.shape(a)) if platform.is_tensor(a) else repr(a) for a in args)
-    return type(module).__name__, params, shapes, first, last
+    return type(module).__name__, repr(module), params, shapes, first, last
 
 
 def _warnings(medians: list[dict[str, float]], spreads: list[dict[str, float]], signatures: list[Any],
