@@ -280,7 +280,8 @@ def test_an_output_path_that_cannot_be_written_is_a_usage_error_before_any_work(
         assert option in errors[0] and (why in errors[0] or "matplotlib" in errors[0]), err
 
 
-@pytest.mark.parametrize("name", ["new.json/", "x" * 300 + ".json"], ids=["trailing-slash", "name-too-long"])
+@pytest.mark.parametrize("name", ["new.json/", "x" * 300 + ".json", "missing/../new.json"],
+                         ids=["trailing-slash", "name-too-long", "through-a-missing-folder"])
 def test_an_output_name_no_file_can_have_is_a_usage_error_before_any_work(capsys, tmp_path, name):
     # the folder exists and is writable, but no file can be created under this very name
     for argv in (["simulate", "-p", "2", "-m", "2", "--trace"],
