@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
 from typing import Any
+
+from hyper_parallel.cli_paths import output_path, picture_path
 
 TOOLS = ("simulate", "visualize", "profile", "tune", "partition", "dryrun")
 
@@ -49,6 +52,25 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"must list integers >= 1, got {text!r}")
     return values
+
+
+def _float_from(low: float, inclusive: bool) -> Any:
+    """An argparse ``type`` for finite numbers above ``low`` (or from it, when ``inclusive``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if inclusive else '>'} {low:g}, "
+                                             f"got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_float = _float_from(0.0, inclusive=False)
 
 
 def _float_list(text: str) -> list[float]:
@@ -107,7 +129,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         try:
             costs = costs.for_stages(stages)
         except ValueError as exc:
-            parser.error(f"argument --costs: {exc}")
+            parser.error(f"argument --costs: {args.costs}: {exc}")
         where = f"costs from {args.costs}"
     try:
         plan, result = simulate_schedule(cls, args.ranks, chunks, args.micro_batches, costs,
@@ -115,13 +137,13 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (ValueError, ScheduleError) as exc:
         print(f"hyper-parallel simulate: {exc}", file=sys.stderr)
         return 1
-    measured = None
+    measured, measured_facts = None, None
     if args.measured:
-        measured = _read_trace(parser, args.measured, "--measured")
+        measured, measured_facts = _read_trace(parser, args.measured, "--measured", with_facts=True)
     if args.trace:
         from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
 
-        write_chrome_trace(args.trace, result, measured)
+        write_chrome_trace(args.trace, result, measured, measured_facts=measured_facts)
     if args.png:
         _plot(parser, args.png, [("plan", result.records, "ms")] + ([("run", measured, "s")] if measured else []),
               f"{plan.name}: p={args.ranks}, v={plan.num_chunks}, m={args.micro_batches}")
@@ -173,14 +195,19 @@ def _compare_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _read_trace(parser: argparse.ArgumentParser, path: str, option: str) -> Any:
-    from hyper_parallel.core.pipeline_parallel.trace import load_trace
+def _read_trace(parser: argparse.ArgumentParser, path: str, option: str, with_facts: bool = False) -> Any:
+    """The run (else the only part, else the first) of a trace file; with ``with_facts`` also what
+    its ``otherData`` says of that part (`trace.load_trace_facts`)."""
+    from hyper_parallel.core.pipeline_parallel.trace import load_trace, load_trace_facts
 
     try:
         parts = load_trace(path)
+        facts = load_trace_facts(path) if with_facts else {}
     except (OSError, ValueError) as exc:
         parser.error(f"argument {option}: {exc}")
-    return parts.get("run") or parts.get("") or next(iter(parts.values()), [])
+    label = next((k for k in ("run", "") if parts.get(k)), next(iter(parts), ""))
+    records = parts.get(label, [])
+    return (records, facts.get(label)) if with_facts else records
 
 
 def _plot(parser: argparse.ArgumentParser, path: str, panels: list, title: str) -> None:
@@ -198,34 +225,36 @@ def _plot(parser: argparse.ArgumentParser, path: str, panels: list, title: str) 
 
 
 def _visualize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from hyper_parallel.core.pipeline_parallel.trace import compare, load_trace
+    from hyper_parallel.core.pipeline_parallel.trace import compare, load_trace, load_trace_facts
     from hyper_parallel.core.pipeline_parallel.visualize import ascii_chart, result_from_records
 
     try:
         parts = load_trace(args.trace)
+        facts = load_trace_facts(args.trace)
     except (OSError, ValueError) as exc:
         parser.error(f"argument TRACE: {exc}")
     if not any(parts.values()):
         parser.error(f"argument TRACE: {args.trace} holds no step records")
-    plan = _read_trace(parser, args.plan, "--plan") if args.plan else parts.get("plan")
+    plan, plan_facts = _read_trace(parser, args.plan, "--plan", with_facts=True) if args.plan else (parts.get("plan"),
+                                                                                                   None)
     run = parts.get("run") or parts.get("")
-    shown = [(label or "trace", records) for label, records in sorted(parts.items())]
+    shown = [(label or "trace", records, facts.get(label)) for label, records in sorted(parts.items())]
     if args.plan:
-        shown.insert(0, ("plan", plan))
+        shown.insert(0, ("plan", plan, plan_facts))
     report = compare(run, plan, "s", "s") if run and plan else None
     if args.png:
-        _plot(parser, args.png, [(label, records, "s") for label, records in shown], os.path.basename(args.trace))
+        _plot(parser, args.png, [(label, records, "s") for label, records, _ in shown], os.path.basename(args.trace))
     if args.json:
         data = {"trace": args.trace}
-        for label, records in shown:
-            result = result_from_records(records, "s")
+        for label, records, known in shown:
+            result = result_from_records(records, "s", known)
             data[label] = result.summary()
         if report is not None:
             data["compare"] = report
         _print_json(data)
         return 0
-    for label, records in shown:
-        result = result_from_records(records, "s")
+    for label, records, known in shown:
+        result = result_from_records(records, "s", known)
         print(f"{label}: {len({r['rank'] for r in records})} ranks, {len(records)} records (times in ms)")
         print(ascii_chart(result, width=args.width, mode=args.chart))
         print()
@@ -279,23 +308,32 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"argument SCRIPT: {exc}")
     result = profile_stages(spec["stages"], spec["inputs"], platform=platform, loss_fn=spec.get("loss_fn"),
                             target=spec.get("target"), warmup=args.warmup, repeats=args.repeats,
-                            fit_overhead=not args.no_overhead)
+                            fit_overhead=not args.no_overhead, threads=args.threads, max_spread=args.max_spread)
     costs = result.costs
     if args.as_layers:
         costs = CostModel(stages=costs.stages, layers=costs.stages, micro_batch_size=costs.micro_batch_size)
     save_costs(costs, args.output)
     if args.json:
-        _print_json({"output": args.output, "notes": result.notes, "costs": costs.to_json()})
+        _print_json({"output": args.output, "threads": result.threads, "repeats": args.repeats,
+                     "max_spread": args.max_spread, "spread": result.spread, "warnings": result.warnings,
+                     "notes": result.notes, "costs": costs.to_json()})
         return 0
+    threads = "an unknown number of" if result.threads is None else result.threads
     print(f"profiled {len(costs.stages)} stage(s) of {args.script} on {args.backend}, micro-batch size "
-          f"{costs.micro_batch_size} (median of {args.repeats} after {args.warmup} warm-up run(s))")
-    print(f"{'stage':>5} {'F ms':>9} {'B ms':>9} {'I ms':>9} {'W ms':>9} {'act bytes':>11} {'out bytes':>10} "
-          f"{'param bytes':>12} {'overhead':>9}")
+          f"{costs.micro_batch_size}, {threads} CPU thread(s) (median of {args.repeats} after {args.warmup} "
+          "warm-up round(s))")
+    print(f"{'stage':>5} {'F ms':>9} {'B ms':>9} {'I ms':>9} {'W ms':>9} {'spread':>7} {'act bytes':>11} "
+          f"{'out bytes':>10} {'param bytes':>12} {'overhead':>9}")
     for k, s in enumerate(costs.stages):
-        print(f"{k:>5} {s.F:>9.4g} {s.B:>9.4g} {s.I:>9.4g} {s.W:>9.4g} {s.activation_bytes:>11.0f} "
+        spread = max(result.spread[k].values())
+        print(f"{k:>5} {s.F:>9.4g} {s.B:>9.4g} {s.I:>9.4g} {s.W:>9.4g} {spread:>7.0%} {s.activation_bytes:>11.0f} "
               f"{s.output_bytes:>10.0f} {s.param_bytes:>12.0f} {s.overhead_ms:>9.3g}")
+    print(f"spread: the largest median absolute deviation of the stage's F/B/I/W repeats, relative to the median "
+          f"(warned above {args.max_spread:.0%})")
     for note in result.notes:
         print(f"note: {note}")
+    for warning in result.warnings:
+        print(f"warning: {warning}")
     print(f"wrote {args.output}")
     return 0
 
@@ -408,7 +446,7 @@ def _dryrun(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
 
         if traced:
-            write_chrome_trace(args.trace, plan, traced)
+            write_chrome_trace(args.trace, plan, traced, measured_facts=report.trace_facts())
         elif plan is not None:
             write_chrome_trace(args.trace, plan)
     if args.json:
@@ -468,8 +506,9 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--compute-only", action="store_true", help="simulate the compute lists without lowering")
     p.add_argument("--chart", choices=("auto", "full", "wrap", "compact"), default="auto", help="chart layout")
     p.add_argument("--width", type=_int_at_least(20), default=None, help="chart width (default: the terminal's)")
-    p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
-    p.add_argument("--png", default=None, help="write a PNG or SVG timeline here (needs matplotlib)")
+    p.add_argument("--trace", type=output_path, default=None, help="write a Chrome/Perfetto trace JSON here")
+    p.add_argument("--png", type=picture_path, default=None,
+                   help="write a PNG or SVG timeline here (needs matplotlib)")
     p.add_argument("--measured", default=None,
                    help="a measured trace to compare with and draw beside the plan")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the chart")
@@ -480,7 +519,8 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
                                    "Chrome trace written by 'simulate --trace'; draw it as PNG/SVG.")
     p.add_argument("trace", metavar="TRACE", help="trace file (JSON)")
     p.add_argument("--plan", default=None, help="a planned trace to compare the measured one with")
-    p.add_argument("--png", default=None, help="write a PNG or SVG timeline here (needs matplotlib)")
+    p.add_argument("--png", type=picture_path, default=None,
+                   help="write a PNG or SVG timeline here (needs matplotlib)")
     p.add_argument("--chart", choices=("auto", "full", "wrap", "compact"), default="auto", help="chart layout")
     p.add_argument("--width", type=_int_at_least(20), default=None, help="chart width (default: the terminal's)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
@@ -496,12 +536,17 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--stages", type=_int_at_least(1), default=None,
                    help="number of stages passed to the profile function (default: call it without arguments)")
     p.add_argument("--backend", choices=("torch", "mindspore"), default="torch", help="framework")
-    p.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed runs per stage")
-    p.add_argument("--repeats", type=_int_at_least(1), default=3, help="timed runs per stage (median)")
+    p.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed rounds over all stages")
+    p.add_argument("--repeats", type=_int_at_least(1), default=5,
+                   help="timed rounds over all stages (each stage once per round; the median is kept)")
+    p.add_argument("--threads", type=_int_at_least(1), default=1,
+                   help="CPU threads the framework measures with (1: what torchrun gives each process)")
+    p.add_argument("--max-spread", type=_positive_float, default=0.25,
+                   help="warn when a stage's repeats, or identical stages, differ by more than this fraction")
     p.add_argument("--no-overhead", action="store_true", help="skip the half-batch runs that fit overhead_ms")
     p.add_argument("--as-layers", action="store_true",
                    help="also write the entries as 'layers' so tune and simulate can regroup them")
-    p.add_argument("-o", "--output", default="costs.json", help="costs file to write")
+    p.add_argument("-o", "--output", type=output_path, default="costs.json", help="costs file to write")
     p.add_argument("--json", action="store_true", help="print the costs as JSON")
     p.set_defaults(handler=_profile, sub_parser=p)
 
@@ -518,13 +563,13 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--chunks", type=_int_list, default=[1, 2, 3, 4], help="chunk counts to try")
     p.add_argument("--micro-batches", type=_int_list, default=None,
                    help="micro-batch counts to try (default: every divisor of the global batch)")
-    p.add_argument("--state-factor", type=float, default=4.0,
+    p.add_argument("--state-factor", type=_float_from(0.0, inclusive=True), default=4.0,
                    help="bytes of weights, gradients and optimizer state per parameter byte")
     p.add_argument("--lowered", action="store_true", help="simulate lowered lists (slower)")
     p.add_argument("--transport", choices=TRANSPORTS, default="plain", help="P2P transport (with --lowered)")
     p.add_argument("--search", action="store_true",
                    help="also build custom step orders within the memory limit (search-* candidates)")
-    p.add_argument("--save-order", default=None, help="write the chosen searched order here as a schedule CSV")
+    p.add_argument("--save-order", type=output_path, default=None, help="write the chosen searched order here as a schedule CSV")
     p.add_argument("--top", type=_int_at_least(1), default=20, help="table rows to print")
     p.add_argument("--json", action="store_true", help="print the choice and every candidate as JSON")
     p.set_defaults(handler=_tune, sub_parser=p)
@@ -549,6 +594,6 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("script", metavar="SCRIPT", help="the training script")
     p.add_argument("--ranks", type=_int_at_least(1), default=2, help="world size")
     p.add_argument("--backend", choices=("torch", "mindspore"), default="torch", help="framework")
-    p.add_argument("--trace", default=None, help="write a Chrome trace here")
+    p.add_argument("--trace", type=output_path, default=None, help="write a Chrome trace here")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(handler=_dryrun, sub_parser=p, script_args=[])

@@ -15,7 +15,9 @@ While it runs, the dry run watches (without changing what the script computes):
   where the backend can tell (torch), their saved activation bytes, over time;
 - the runtime's step trace, when the schedule object offers one: a ``tracer`` attribute
   holding a `StepTracer` (``tracing.py``) is enabled before each ``run`` and read after it.
-  Until the runtime records steps, the trace is the simulated plan of what ran.
+  Every rank's records count from one origin (the first traced run's time 0), later runs
+  placed after it on the same clock. Until the runtime records steps, the trace is the
+  simulated plan of what ran.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class RankReport:
     peak_bytes: int | None = 0
     schedules: list[dict[str, Any]] = field(default_factory=list)
     trace: list[dict[str, Any]] = field(default_factory=list)
+    trace_origin_ns: int | None = None  # wall-clock time 0 of the first traced run (the trace's origin)
     result: Any = None
 
 
@@ -57,6 +60,14 @@ class DryRunReport:
     platform: str
     ranks: list[RankReport]
     check: dict[str, Any] = field(default_factory=dict)
+
+    def trace_facts(self) -> dict[str, dict[int, Any]]:
+        """What the watchers saw per rank, for a trace's ``otherData`` (`visualize.write_chrome_trace`):
+        peak forwards held and their bytes; None for a rank where they saw no forward at all (its
+        backend's stage calls went unwatched), so a viewer counts the peaks from the records instead."""
+        seen = {r.rank: r.peak_forwards > 0 for r in self.ranks}
+        return {"peak_activations": {r.rank: r.peak_forwards if seen[r.rank] else None for r in self.ranks},
+                "peak_activation_bytes": {r.rank: r.peak_bytes if seen[r.rank] else None for r in self.ranks}}
 
     def boundaries(self) -> list[dict[str, Any]]:
         """Distinct messages: (src, dst, dtype, shape) with their count and bytes each."""
@@ -191,7 +202,10 @@ def _install_schedule_hooks(reports: dict[int, RankReport]) -> Any:
         facts["peak_activations"] = max(facts.get("peak_activations", 0), getattr(self, "peak_activations", 0))
         if isinstance(tracer, StepTracer):
             records = tracer.records()
-            report.trace += records
+            if report.trace_origin_ns is None:
+                report.trace_origin_ns = tracer.origin_ns
+            shift = (tracer.origin_ns - report.trace_origin_ns) * 1e-9  # later runs after the first, on one clock
+            report.trace += [{**r, "start": r["start"] + shift, "end": r["end"] + shift} for r in records]
             facts["traced_steps"] = facts.get("traced_steps", 0) + len(records)
         return out
 

@@ -1,5 +1,7 @@
 """A measured trace has one record per executed step per rank, in the schedule's order, and its
-merged form is valid Chrome trace JSON; on LocalCluster and on 4 gloo processes."""
+merged form is valid Chrome trace JSON; on LocalCluster and on 4 gloo processes. The gloo ranks'
+clocks share one origin: no step runs before the peer sent its data (test_pp_trace_clock.py does
+the same on LocalCluster)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from conftest import run_torchrun
 from mlp_harness import MatrixJob, batch, build_stages, mse
 
 from hyper_parallel.core.pipeline_parallel.schedule import ScheduleInterleaved1F1B
-from hyper_parallel.core.pipeline_parallel.trace import chrome_trace
+from hyper_parallel.core.pipeline_parallel.trace import causality_violations, chrome_trace
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster
 
@@ -58,3 +60,5 @@ def test_trace_of_a_gloo_run(tmp_path):
     data = json.loads((tmp_path / "trace.json").read_text())
     _check(data["records"], data["order"])
     assert {r["rank"] for r in data["records"]} == {0, 1, 2, 3}
+    assert data["clock_error"] < 1e-3  # one host: the wall-clock anchors agree to microseconds
+    assert causality_violations(data["records"], data["clock_error"]) == []

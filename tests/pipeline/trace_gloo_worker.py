@@ -25,7 +25,8 @@ def main(out_dir: str) -> None:
     if p.rank == 0:
         order = {r: [str(s) for s in steps] for r, steps in schedule.exec_order.items()}
         with open(os.path.join(out_dir, "trace.json"), "w") as f:
-            json.dump({"records": records, "order": order, "chrome": chrome_trace(records)}, f)
+            json.dump({"records": records, "order": order, "chrome": chrome_trace(records),
+                       "clock_error": schedule.tracer.clock_error}, f)
 
 
 if __name__ == "__main__":

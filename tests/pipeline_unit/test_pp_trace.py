@@ -9,6 +9,7 @@ import pytest
 from hyper_parallel.core.pipeline_parallel.catalog import available_schedules
 from hyper_parallel.core.pipeline_parallel.simulate import simulate_schedule
 from hyper_parallel.core.pipeline_parallel.trace import (
+    causality_violations,
     chrome_trace,
     compare,
     costs_from_records,
@@ -31,7 +32,8 @@ RANK1 = [rec(1, "RECV_F.s1.m0", "p2p-wait", 0.0, 0.0012), rec(1, "F.s1.m0", "com
 
 
 def _check_chrome(trace):
-    assert set(trace) == {"traceEvents", "displayTimeUnit"}
+    # otherData: the Chrome JSON format's free-form metadata (what the records cannot tell)
+    assert {"traceEvents", "displayTimeUnit"} <= set(trace) <= {"traceEvents", "displayTimeUnit", "otherData"}
     json.dumps(trace)  # serialisable
     for e in trace["traceEvents"]:
         assert e["ph"] in ("X", "M", "b", "e")
@@ -141,3 +143,57 @@ def test_gather_collects_every_rank_through_the_platform():
     results = LocalCluster(3, platform="torch").run(body)
     assert results[0] == results[1] == results[2]
     assert sorted((r["rank"], r["step"]) for r in results[0]) == [(0, "F.s0.m0"), (1, "F.s1.m0"), (2, "F.s2.m0")]
+
+
+class _PeerAnchor:
+    """The platform calls ``StepTracer.start`` makes, for rank 1 of two whose peer (rank 0)
+    took its clock anchor at wall time ``peer_wall`` (ns): what ``all_gather_object`` would return."""
+
+    rank = 1
+
+    def __init__(self, peer_wall):
+        self.peer_wall = peer_wall
+
+    def all_gather_object(self, obj, group=None):
+        return [(self.peer_wall, 0.0), obj]
+
+
+def test_start_counts_from_the_earliest_ranks_anchor_not_from_its_own_wake_up():
+    # rank 1 took its anchor 27 ms (wall) after rank 0: its time 0 is rank 0's, so a step it runs
+    # right after start is at 27 ms, not at 0 (a barrier-exit origin gave 0: the issue-25 skew)
+    mono = {"t": 50.0}  # this rank's monotonic clock: any origin of its own
+    tracer = StepTracer(enabled=True, clock=lambda: mono["t"], wall_clock=lambda: 1_000_027_000_000)
+    tracer.start(_PeerAnchor(1_000_000_000_000))
+    assert tracer.origin_ns == 1_000_000_000_000 and tracer.rank == 1
+    mono["t"] = 50.001
+    t0 = tracer.now()
+    mono["t"] = 50.003
+    tracer.record("F.s1.m0", "compute", t0, tracer.now())
+    (record,) = tracer.records()
+    assert record["start"] == pytest.approx(0.028) and record["end"] == pytest.approx(0.030)
+    assert tracer.clock_error == 0.0  # a constant wall clock: the anchor reads had no gap
+
+
+def test_a_compute_record_starts_when_its_received_input_is_in_hand():
+    tracer = StepTracer(enabled=True, clock=FakeClock())
+    tracer.start()
+    tracer.record("RECV_F.s1.m0", "p2p-wait", 2.0, 5.0)  # nested in F.s1.m0 (the runtime waits inside)
+    tracer.record("F.s1.m0", "compute", 1.0, 6.0)
+    tracer.record("RECV_B.s1.m3", "p2p-wait", 7.0, 8.0)  # another part's input: not the first part's
+    tracer.record("OVERLAP_B_F[B.s1.m0+F.s1.m3]", "compute", 6.5, 9.0)
+    tracer.record("B.s1.m1", "compute", 9.0, 10.0)
+    assert [(r["step"], r["start"], r["end"]) for r in tracer.records()] == [
+        ("RECV_F.s1.m0", 2.0, 5.0), ("F.s1.m0", 5.0, 6.0), ("RECV_B.s1.m3", 7.0, 8.0),
+        ("OVERLAP_B_F[B.s1.m0+F.s1.m3]", 6.5, 9.0), ("B.s1.m1", 9.0, 10.0)]
+
+
+def test_causality_violations_names_a_step_that_ran_before_its_data_was_sent():
+    run = RANK0 + RANK1 + [rec(1, "SEND_B.s1.m0", "p2p-issue", 0.0042, 0.0043)]
+    run[2:4] = [rec(0, "RECV_B.s0.m0", "p2p-wait", 0.0011, 0.0044), rec(0, "B.s0.m0", "compute", 0.0044, 0.006)]
+    assert causality_violations(run) == []
+    early = [dict(r, start=r["start"] - 0.0005, end=r["end"] - 0.0005) if r["rank"] == 1 else r for r in run]
+    found = causality_violations(early)
+    assert len(found) == 2 and all("before rank 0 posted SEND_F.s0.m0" in f for f in found)
+    assert causality_violations(early, tolerance=0.0005) == []
+    never = [r for r in run if r["step"] != "SEND_F.s0.m0"]
+    assert any("never posted SEND_F.s0.m0" in f for f in causality_violations(never))

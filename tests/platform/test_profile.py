@@ -62,3 +62,86 @@ def test_mindspore_times_and_what_it_cannot_measure():
     for cell in stages:
         for _, param in platform.named_parameters(cell):
             assert platform.get_grad(param) is None
+
+
+def test_rounds_run_every_stage_in_turn_so_a_burst_of_load_hits_all_alike():
+    torch = pytest.importorskip("torch")
+    from hyper_parallel.platform.torch import TorchPlatform
+
+    calls = []
+
+    class Logged(torch.nn.Linear):
+        def __init__(self, index):
+            super().__init__(4, 4)
+            self.index = index
+
+        def forward(self, x):
+            calls.append(self.index)
+            return super().forward(x)
+
+    result = profile_stages([Logged(0), Logged(1)], torch.ones(2, 4), platform=TorchPlatform(), warmup=1, repeats=3,
+                            fit_overhead=False)
+    # one untimed chaining pass, then 1 + 3 rounds; each run of a stage is two forwards (before B, before I/W)
+    assert calls == [0, 0, 1, 1] + [0, 0, 1, 1] * 4
+    assert [len(t["F"]) for t in result.raw_ms] == [6, 6] and [len(t["W"]) for t in result.raw_ms] == [3, 3]
+    assert [set(s) for s in result.spread] == [{"F", "B", "I", "W"}] * 2
+    assert all(v >= 0 for s in result.spread for v in s.values())
+
+
+def test_threads_are_set_for_the_measurement_and_restored():
+    torch = pytest.importorskip("torch")
+    from hyper_parallel.platform.torch import TorchPlatform
+
+    before = torch.get_num_threads()
+    seen = []
+
+    class Probe(torch.nn.Linear):
+        def forward(self, x):
+            seen.append(torch.get_num_threads())
+            return super().forward(x)
+
+    want = 2 if before != 2 else 1
+    result = profile_stages([Probe(4, 4)], torch.ones(2, 4), platform=TorchPlatform(), warmup=0, repeats=1,
+                            fit_overhead=False, threads=want)
+    assert result.threads == want and set(seen) == {want}
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads must be an int >= 1 or None, got 0"):
+        profile_stages([Probe(4, 4)], torch.ones(2, 4), platform=TorchPlatform(), threads=0)
+
+
+def test_warnings_name_spread_repeats_and_identical_stages_that_disagree():
+    from hyper_parallel.core.pipeline_parallel.profile import _warnings
+
+    flat = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    calm = dict.fromkeys(flat, 0.05)
+    # the issue's numbers: identical stages 1 and 2, forwards of 0.1 ms and 97 ms
+    medians = [flat, {**flat, "F": 0.1}, {**flat, "F": 97.0}, flat]
+    signatures = ["first", "middle", "middle", "last"]
+    found = _warnings(medians, [calm, calm, {**calm, "B": 0.6}, calm], signatures, 0.25, 5)
+    assert found == [
+        "stage 2: the 5 repeats spread beyond 25% of their median (B 60%): the machine is busy or the thread count "
+        "too high; these times cannot be trusted",
+        "identical stages 1 and 2 differ beyond 25% in F: 0.1 ms vs 97 ms; these times cannot be trusted"]
+    assert _warnings([flat, {**flat, "F": 1.2}], [calm, calm], ["middle", "middle"], 0.25, 5) == []
+    assert _warnings([flat, {**flat, "F": 9.0}], [calm, calm], ["first", "last"], 0.25, 5) == []  # not identical
+
+
+def test_identical_stages_are_those_of_one_module_type_shapes_and_role():
+    torch = pytest.importorskip("torch")
+    from hyper_parallel.core.pipeline_parallel.profile import _signature
+    from hyper_parallel.platform.torch import TorchPlatform
+
+    p = TorchPlatform()
+    x = torch.ones(8, 16)
+    same = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(2)]
+    other = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    sig = [_signature(p, m, (x,), False, False) for m in (*same, other)]
+    assert sig[0] == sig[1] != sig[2]
+    assert _signature(p, same[0], (x,), True, False) != sig[0]  # the first stage computes no input gradient
+    assert _signature(p, same[0], (torch.ones(4, 16),), False, False) != sig[0]
+    # the same parameters around different parameter-free work are not the same stage
+    relu = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    dropout = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5))
+    assert len({_signature(p, m, (x,), False, False) for m in (same[0], relu, dropout)}) == 3
+    assert _signature(p, dropout, (x,), False, False) != _signature(
+        p, torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.1)), (x,), False, False)

@@ -305,9 +305,17 @@ class CostModel:
         if unknown:
             raise ValueError(f"unknown field(s) in the costs file: {', '.join(unknown)}")
         p2p = data.get("p2p") or {}
+        if not isinstance(p2p, dict):
+            raise ValueError(f"p2p must be an object with latency_ms and bandwidth_gb_per_s, got {p2p!r}")
         bad = sorted(set(p2p) - {"latency_ms", "bandwidth_gb_per_s"})
         if bad:
             raise ValueError(f"unknown p2p field(s): {', '.join(bad)}; valid: latency_ms, bandwidth_gb_per_s")
+        _number("p2p.latency_ms", p2p.get("latency_ms", 0.0))
+        if _number("p2p.bandwidth_gb_per_s", p2p.get("bandwidth_gb_per_s"), allow_none=True) == 0:
+            raise ValueError("p2p.bandwidth_gb_per_s must be > 0 (leave it out for an infinitely fast link), got 0")
+        for key in ("stages", "layers"):
+            if not isinstance(data.get(key) or [], list):
+                raise ValueError(f"{key} must be a list of objects, got {data[key]!r}")
         stages = [StageCost.from_json(e, f"stages[{k}]") for k, e in enumerate(data.get("stages") or [])]
         layers = [StageCost.from_json(e, f"layers[{k}]") for k, e in enumerate(data.get("layers") or [])]
         if not stages and not layers:
@@ -328,6 +336,8 @@ def load_costs(path: str | os.PathLike[str]) -> CostModel:
             data = json.load(f)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
     try:
         return CostModel.from_json(data)
     except ValueError as exc:

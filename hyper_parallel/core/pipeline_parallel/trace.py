@@ -30,6 +30,11 @@ from typing import Any
 from .ir import MetaStep
 
 FORMAT = "hyper-parallel-trace/1"
+FACTS = "hyper_parallel"
+"""The key, inside a Chrome trace's ``otherData``, of what its records cannot tell: per label
+(``""``, ``plan``, ``run``) and per fact (``peak_activations``, ``peak_activation_bytes``) a
+number per rank (JSON keys: the rank as text)."""
+FACT_NAMES = ("peak_activations", "peak_activation_bytes")
 KINDS = ("compute", "p2p-issue", "p2p-wait", "p2p")
 UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 Record = dict[str, Any]
@@ -129,9 +134,14 @@ def records_from_chrome(trace: dict[str, Any]) -> dict[str, list[Record]]:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             names[e["pid"]] = str(e.get("args", {}).get("name", ""))
     out: dict[str, list[Record]] = defaultdict(list)
-    for e in events:
+    for n, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise ValueError(f"traceEvents[{n}] must be an object, got {e!r}")
         if e.get("ph") != "X":
             continue
+        lacks = [k for k in ("pid", "ts") if not isinstance(e.get(k), (int, float)) or isinstance(e.get(k), bool)]
+        if lacks or not isinstance(e.get("dur", 0.0), (int, float)):
+            raise ValueError(f"traceEvents[{n}]: a complete event ('X') needs numbers pid, ts (and dur), got {e!r}")
         name = names.get(e["pid"], f"rank {e['pid']}")
         label, _, rank = name.rpartition("rank ")
         try:
@@ -164,16 +174,70 @@ def load_trace(path: str | os.PathLike[str]) -> dict[str, list[Record]]:
             data = json.load(f)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    try:
+        parts = _parts(data)
+        for label, records in parts.items():
+            for k, r in enumerate(records):
+                if r["kind"] != "compute":
+                    continue  # only compute steps are read as steps; a wait may name what it waits for
+                try:
+                    MetaStep.from_str(r["step"])
+                except ValueError as exc:
+                    raise ValueError(f"record {k}{f' ({label})' if label else ''}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return parts
+
+
+def _parts(data: Any) -> dict[str, list[Record]]:
     if isinstance(data, list):
         return {"": merge_records([data])}
     if isinstance(data, dict) and "traceEvents" in data:
         return records_from_chrome(data)
     if isinstance(data, dict) and "records" in data:
         if data.get("format", FORMAT) != FORMAT:
-            raise ValueError(f"{path}: unknown trace format {data.get('format')!r}")
+            raise ValueError(f"unknown trace format {data.get('format')!r}")
+        if not isinstance(data["records"], list):
+            raise ValueError(f"records must be a list, got {data['records']!r}")
         unit = data.get("unit", "s")
         return {"": convert(merge_records([data["records"]]), unit, "s")}
-    raise ValueError(f"{path}: neither a trace file, a list of records nor a Chrome trace")
+    raise ValueError("neither a trace file, a list of records nor a Chrome trace")
+
+
+def load_trace_facts(path: str | os.PathLike[str]) -> dict[str, dict[str, dict[int, float | None]]]:
+    """What a Chrome trace written by `visualize.write_chrome_trace` carries beside its records,
+    per label as `load_trace` names them: ``{"plan": {"peak_activation_bytes": {0: 4.0, ...}}}``;
+    empty for other files. ValueError naming the file and the bad entry."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    other = data.get("otherData") if isinstance(data, dict) else None
+    stored = other.get(FACTS, {}) if isinstance(other, dict) else {}  # otherData is free-form for other tools
+    out: dict[str, dict[str, dict[int, float | None]]] = {}
+    try:
+        if not isinstance(stored, dict):
+            raise ValueError(f"otherData.{FACTS} must be an object")
+        for label, facts in stored.items():
+            if not isinstance(facts, dict):
+                raise ValueError(f"otherData.{FACTS}.{label} must be an object")
+            out[label] = {}
+            for name, per_rank in facts.items():
+                if name not in FACT_NAMES or not isinstance(per_rank, dict):
+                    raise ValueError(f"otherData.{FACTS}.{label}: unknown or malformed {name!r}")
+                values: dict[int, float | None] = {}
+                for rank, value in per_rank.items():
+                    if not rank.isdigit():
+                        raise ValueError(f"otherData.{FACTS}.{label}.{name}: the keys must be ranks, got {rank!r}")
+                    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                              or value < 0):
+                        raise ValueError(f"otherData.{FACTS}.{label}.{name}[{rank}] must be a number >= 0, "
+                                         f"got {value!r}")
+                    values[int(rank)] = value
+                out[label][name] = values
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return out
 
 
 # ---------------------------------------------------------------------- plan versus run
@@ -276,3 +340,66 @@ def costs_from_records(records: Sequence[Record], num_stages: int, unit: str = "
             fields.pop("W", None)
         stages.append(StageCost(**fields))
     return CostModel(stages=tuple(stages))
+
+
+# ---------------------------------------------------------------------- causality
+
+
+def causality_violations(records: Sequence[Record], tolerance: float = 0.0) -> list[str]:
+    """Where a measured trace contradicts itself: a compute step that starts, or a wait on a
+    receive that ends, before the peer rank posted the send of what it consumes (times in the
+    records' unit; ``tolerance`` forgives that much). Empty when the ranks' clocks agree.
+
+    Stages are placed on ranks as their compute records show; a forward of stage ``s`` consumes
+    ``SEND_F`` of stage ``s - 1``, a backward (B or I) ``SEND_B`` of stage ``s + 1``, where that
+    stage is on another rank (plain sends or inside ``BATCH``). A compute step is judged by its
+    first part (an OVERLAP pair runs its parts in order); the n-th consumer of a message is
+    matched with its n-th send, so a trace of several runs is judged run by run.
+    """
+    steps = []
+    for r in records:
+        try:
+            steps.append((r, MetaStep.from_str(r["step"])))
+        except ValueError:
+            if r["kind"] == "compute":
+                raise
+            # a wait of a plan without lowering names what it waits for ("B.s3.m0 or I.s3.m0")
+    owner: dict[int, int] = {}
+    for r, step in steps:
+        for part in step.parts:
+            if part.stage_index is not None:
+                owner.setdefault(part.stage_index, r["rank"])
+    sends: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    for r, step in sorted(steps, key=lambda rs: rs[0]["start"]):
+        if r["kind"] != "p2p-issue":
+            continue
+        for op in step.comm_parts:
+            if op.meta_type.code in ("SEND_F", "SEND_B") and op.stage_index is not None:
+                sends[(op.meta_type.code, op.stage_index, op.micro_index)].append(r["start"])
+    used: dict[tuple[str, str, int, int], int] = defaultdict(int)
+    out = []
+    for r, step in sorted(steps, key=lambda rs: rs[0]["start"]):
+        if r["kind"] == "compute" and step.parts:
+            part, when, what = step.parts[0], r["start"], "starts"
+            code = {"F": "F", "B": "B", "I": "B"}.get(part.meta_type.code)
+        elif r["kind"] == "p2p-wait" and step.meta_type.code in ("RECV_F", "RECV_B"):
+            part, when, what = step, r["end"], "ends its wait"
+            code = step.meta_type.code[-1]
+        else:
+            continue
+        if code is None or part.stage_index is None:
+            continue
+        producer = part.stage_index - 1 if code == "F" else part.stage_index + 1
+        if producer not in owner or owner[producer] == r["rank"]:
+            continue  # first/last stage, or the data is handed over on this rank
+        key = (f"SEND_{code}", producer, part.micro_index)
+        n = used[(r["kind"], *key)]
+        used[(r["kind"], *key)] += 1
+        posted = sends.get(key, [])
+        if n >= len(posted):
+            out.append(f"rank {r['rank']}: {r['step']} {what} at {when:.6g} but rank {owner[producer]} never "
+                       f"posted {key[0]}.s{producer}.m{part.micro_index} (occurrence {n + 1})")
+        elif when + tolerance < posted[n]:
+            out.append(f"rank {r['rank']}: {r['step']} {what} at {when:.6g}, before rank {owner[producer]} posted "
+                       f"{key[0]}.s{producer}.m{part.micro_index} at {posted[n]:.6g}")
+    return out

@@ -20,7 +20,7 @@ from typing import Any
 
 from .ir import MetaStep, MetaStepType, Schedule
 from .simulate import SimulationResult, simulate
-from .trace import Record, chrome_trace, combined_chrome_trace, convert
+from .trace import FACTS, Record, chrome_trace, combined_chrome_trace, convert
 
 MODES = ("auto", "full", "wrap", "compact")
 _MAX_WRAPPED_BLOCKS = 3
@@ -243,9 +243,13 @@ def _ruler(ncells: int, width: int, unit: float, indent: int, every: int = 5, of
 
 
 def write_chrome_trace(path: str | os.PathLike[str], planned: SimulationResult | Sequence[Record] | None = None,
-                       measured: Sequence[Record] | None = None, measured_unit: str = "s") -> None:
+                       measured: Sequence[Record] | None = None, measured_unit: str = "s",
+                       measured_facts: dict[str, dict[int, Any]] | None = None) -> None:
     """Write a Chrome/Perfetto trace of a plan (a SimulationResult, times in ms), a measured
-    run (records in ``measured_unit``), or both side by side."""
+    run (records in ``measured_unit``), or both side by side. What the records cannot tell goes
+    along in the trace's ``otherData`` (`trace.FACTS`, read back by `trace.load_trace_facts`):
+    a SimulationResult's peak activations and peak activation memory per rank, and
+    ``measured_facts`` (the same keys) for the run."""
     plan_records = planned.records if isinstance(planned, SimulationResult) else planned
     if plan_records is None and measured is None:
         raise ValueError("nothing to write: give a plan, a measured trace or both")
@@ -255,6 +259,17 @@ def write_chrome_trace(path: str | os.PathLike[str], planned: SimulationResult |
         trace = chrome_trace(measured, measured_unit)
     else:
         trace = combined_chrome_trace(plan_records, measured, "ms", measured_unit)
+    both = plan_records is not None and measured is not None
+    facts: dict[str, Any] = {}
+    if isinstance(planned, SimulationResult):
+        facts["plan" if both else ""] = {"peak_activations": planned.peak_activations,
+                                         "peak_activation_bytes": planned.peak_activation_bytes}
+    if measured is not None and measured_facts:
+        facts["run" if both else ""] = measured_facts
+    if facts:
+        trace["otherData"] = {FACTS: {label: {key: {str(r): v for r, v in per_rank.items()}
+                                              for key, per_rank in values.items()}
+                                      for label, values in facts.items()}}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(trace, f)
         f.write("\n")
@@ -327,9 +342,12 @@ def plot_timelines(path: str | os.PathLike[str], panels: Sequence[tuple[str, Seq
     plt.close(fig)
 
 
-def result_from_records(records: Sequence[Record], unit: str = "s") -> SimulationResult:
+def result_from_records(records: Sequence[Record], unit: str = "s",
+                        facts: dict[str, dict[int, Any]] | None = None) -> SimulationResult:
     """A measured trace as a SimulationResult (times in ms from its first record), so the
-    same charts and tables show plans and runs."""
+    same charts and tables show plans and runs. ``facts`` (`trace.load_trace_facts`) gives the
+    per-rank ``peak_activations`` / ``peak_activation_bytes`` the records cannot tell (else the
+    peaks are counted from the compute steps and the memory is 0)."""
     from .simulate import peak_activations
     from .trace import summarize
 
@@ -342,5 +360,9 @@ def result_from_records(records: Sequence[Record], unit: str = "s") -> Simulatio
             timeline[r["rank"]].append((r["start"], r["end"], MetaStep.from_str(r["step"])))
     numbers = summarize(ms)
     peaks = {rank: peak_activations([step for _, _, step in steps]) for rank, steps in timeline.items()}
+    memory = dict.fromkeys(timeline, 0.0)
+    facts = facts or {}
+    peaks.update({r: v for r, v in facts.get("peak_activations", {}).items() if r in peaks and v is not None})
+    memory.update({r: v for r, v in facts.get("peak_activation_bytes", {}).items() if r in memory and v is not None})
     return SimulationResult(numbers["makespan"], numbers["bubble_fraction"], peaks, timeline,
-                            numbers["bubble_per_rank"], dict.fromkeys(timeline, 0.0), numbers["busy"], ms)
+                            numbers["bubble_per_rank"], memory, numbers["busy"], ms)
