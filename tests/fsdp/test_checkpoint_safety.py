@@ -336,3 +336,56 @@ def test_mindspore_failed_save_keeps_the_checkpoint_and_damaged_load_changes_not
     messages = {r["error"] for r in results}
     assert len(messages) == 1 and None not in messages and "rank1.ckpt" in next(iter(messages))
     assert all(r["unchanged"] for r in results)
+
+
+def _ms_bn_rank(path: str, phase: str) -> dict:
+    import mindspore as ms
+    from mindspore import nn, ops
+
+    p = get_platform()
+    ms.set_seed(p.rank)
+
+    class StageNet(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Dense(6, 6)
+            self.bn = nn.BatchNorm1d(6)
+            self.scale = ms.Parameter(ops.ones(6, ms.float32), name="scale", requires_grad=False)
+
+        def construct(self, x):
+            # ops.dropout draws from MindSpore's seed counters, which the checkpoint holds (nn.Dropout's
+            # primitive keeps a generator of its own that cannot be read: see docs/parallelism.md)
+            return ops.dropout(self.bn(self.lin(x)), p=0.3, training=self.training) * self.scale
+
+    module = StageNet()
+    module.set_train(True)
+    stage = hp.PipelineStage(module, p.rank, 2)
+    schedule = hp.Schedule1F1B(stage, 2, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+    params = schedule.parameters()
+    optimizer = nn.Adam(params, learning_rate=0.05)
+    if phase == "save":
+        module.scale.set_data(ms.Tensor(np.full((6,), 1.5 + p.rank, np.float32)))  # frozen: only the checkpoint knows
+    else:
+        ms.set_seed(99)
+        assert hp.load_checkpoint(path, schedule, optimizer) == {"step": 2}
+    losses = []
+    for step in range(4) if phase == "save" else range(2, 4):
+        rng = np.random.default_rng(step)
+        x, y = (ms.Tensor(rng.standard_normal((8, 6)).astype(np.float32)) for _ in range(2))
+        schedule.zero_grad()
+        losses.append([float(v) for v in schedule.run(x, target=y if p.rank == 1 else None)])
+        optimizer(tuple(p.get_grad(q) for q in params))
+        if phase == "save" and step == 1:
+            hp.save_checkpoint(path, schedule, optimizer, extra={"step": 2})
+    return {"losses": losses[-2:], "state": {q.name: q.asnumpy().copy() for q in module.get_parameters()}}
+
+
+def test_mindspore_batchnorm_frozen_parameter_and_dropout_resume_bitwise(tmp_path):
+    path = str(tmp_path / "ckpt")
+    first = LocalCluster(2, platform="mindspore").run(_ms_bn_rank, path, "save")
+    second = LocalCluster(2, platform="mindspore").run(_ms_bn_rank, path, "load")
+    assert first[1]["losses"] == second[1]["losses"]
+    for a, b in zip(first, second):
+        assert a["state"].keys() == b["state"].keys()
+        for k in a["state"]:
+            np.testing.assert_array_equal(a["state"][k], b["state"][k], err_msg=k)
