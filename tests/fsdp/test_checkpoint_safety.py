@@ -90,8 +90,8 @@ def test_failed_save_raises_everywhere_and_keeps_the_previous_checkpoint(tmp_pat
 
     real_seal = atomic.seal
 
-    def seal(p, target, folder, error, layout):
-        real_seal(p, target, folder, error, layout)
+    def seal(p, target, folder, *args):
+        real_seal(p, target, folder, *args)
         p.barrier()
         if p.rank == 0:
             before.update(_tree(target))
@@ -141,6 +141,39 @@ def test_save_refuses_to_replace_what_is_not_a_checkpoint(tmp_path, obstacle):
     assert "rank 0: " in messages.pop()
     assert (path.read_text() if obstacle == "file" else (path / "notes.txt").read_text()) == "mine"
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def _keep_rank(parent: str) -> list:
+    trainer = Trainer(Config(mode="fsdp", steps=4))
+    seen = []
+    for step in range(1, 5):
+        trainer.train(range(step - 1, step))
+        hp.save_checkpoint(os.path.join(parent, f"step{step}"), trainer.schedule, trainer.optimizer,
+                           extra={"step": step}, keep=2)
+        get_platform().barrier()
+        seen.append(sorted(os.listdir(parent)))
+    fresh = Trainer(Config(mode="fsdp", steps=4))
+    seen.append(hp.load_checkpoint(hp.latest_checkpoint(parent), fresh.schedule, fresh.optimizer))
+    return seen
+
+
+def test_keep_prunes_older_checkpoints_and_latest_names_the_newest(tmp_path):
+    (tmp_path / "notes").mkdir()  # not a checkpoint: never touched
+    assert hp.latest_checkpoint(str(tmp_path)) is None
+    results = LocalCluster(4).run(_keep_rank, str(tmp_path))
+    assert results[0][:4] == [["latest", "notes", "step1"], ["latest", "notes", "step1", "step2"],
+                              ["latest", "notes", "step2", "step3"], ["latest", "notes", "step3", "step4"]]
+    assert [r[4] for r in results] == [{"step": 4}] * 4
+    assert (tmp_path / "latest").read_text() == "step4\n"
+    assert hp.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step4")
+    with pytest.raises(ValueError, match="keep must be an int >= 1 or None, got 0"):
+        hp.save_checkpoint(str(tmp_path / "x"), torch_linear(), keep=0)
+
+
+def torch_linear():
+    import torch
+
+    return torch.nn.Linear(2, 2)
 
 
 # ------------------------------------------------------------------------------ transactional load

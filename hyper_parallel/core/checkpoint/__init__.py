@@ -41,12 +41,20 @@ def _optimizers(optimizers: Any) -> list[Any]:
     return [optimizers]
 
 
-def save_checkpoint(path: str, model: Any, optimizers: Any = None, extra: Any = None) -> None:
+def save_checkpoint(path: str, model: Any, optimizers: Any = None, extra: Any = None, *,
+                    keep: int | None = None) -> None:
     """Write the parameters and buffers of ``model`` (a pipeline schedule, its stages, or a module), the
     state of ``optimizers`` (one or a list), each rank's random state and ``extra`` as the folder
     ``path``, atomically: it replaces a previous checkpoint there only once every rank's part is written
     and flushed. Raises :class:`CheckpointError` on every rank when any rank failed, leaving ``path``
-    as it was. Every rank calls it."""
+    as it was. Every rank calls it.
+
+    ``keep=k`` treats the folder holding ``path`` as a folder of checkpoints: once this one is committed,
+    rank 0 writes the file ``latest`` there (this checkpoint's name, replaced atomically) and deletes all
+    but the ``k`` newest complete checkpoints in it (by commit time; folders without a commit marker
+    are never touched). :func:`latest_checkpoint` finds the newest."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
     p = get_platform()
     path = str(path)
     error, params, buffers = None, {}, {}
@@ -61,7 +69,7 @@ def save_checkpoint(path: str, model: Any, optimizers: Any = None, extra: Any = 
             p.save_checkpoint(folder, params, _optimizers(optimizers), extra, buffers=buffers)
         except Exception as exc:  # noqa: BLE001 - every rank learns of it and raises CheckpointError
             error = exc
-        atomic.seal(p, path, folder, error, p.checkpoint_layout())
+        atomic.seal(p, path, folder, error, p.checkpoint_layout(), keep)
     except CheckpointError:
         atomic.abandon(p, folder)
         raise
@@ -92,4 +100,10 @@ def load_checkpoint(path: str, model: Any, optimizers: Any = None, *, strict: bo
     return p.load_checkpoint(path, params, _optimizers(optimizers), buffers=buffers, strict=strict)
 
 
-__all__ = ["CheckpointError", "checkpoint_keys", "load_checkpoint", "save_checkpoint"]
+def latest_checkpoint(folder: str) -> str | None:
+    """The newest complete checkpoint in ``folder`` (where ``save_checkpoint(..., keep=k)`` saves):
+    the one its ``latest`` file names, else the newest by commit time; ``None`` if it holds none."""
+    return atomic.latest(str(folder))
+
+
+__all__ = ["CheckpointError", "checkpoint_keys", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]

@@ -18,13 +18,16 @@ import errno
 import json
 import os
 import shutil
+import time
 import uuid
+import warnings
 import zlib
 from typing import Any
 
 from hyper_parallel.platform.checkpoint_common import CheckpointError, agree
 
 MARKER = "COMMITTED.json"
+LATEST = "latest"
 FORMAT = 1
 _CHUNK = 1 << 22
 
@@ -95,9 +98,11 @@ def begin(platform: Any, path: str, local_error: BaseException | None) -> str:
     return agree(platform, "save", path, error, where="before writing", payload=folder)[0]
 
 
-def seal(platform: Any, path: str, folder: str, write_error: BaseException | None, layout: str) -> None:
+def seal(platform: Any, path: str, folder: str, write_error: BaseException | None, layout: str,
+         keep: int | None = None) -> None:
     """After every rank wrote into ``folder``: flush and checksum the files, write the marker, put the
-    folder in place. Raises :class:`CheckpointError` on every rank if any step failed on any rank."""
+    folder in place (then, with ``keep``, point ``latest`` at it and prune, see :func:`_rotate`).
+    Raises :class:`CheckpointError` on every rank if any step failed on any rank."""
     agree(platform, "save", path, write_error, where=f"writing into {folder!r}")
     error, digests = None, {}
     try:
@@ -112,12 +117,64 @@ def seal(platform: Any, path: str, folder: str, write_error: BaseException | Non
     if platform.rank == 0:
         try:
             marker = {"format": FORMAT, "layout": layout, "platform": platform.name,
-                      "world_size": platform.world_size,
+                      "world_size": platform.world_size, "saved_at": time.time(),
                       "files": {k: list(v) for d in everyone for k, v in sorted(d.items())}}
             _commit(folder, path, marker)
         except OSError as exc:
             error = exc
     agree(platform, "save", path, error, where=f"committing {folder!r}")
+    if platform.rank == 0 and keep is not None:
+        _rotate(path, keep)
+
+
+def committed_siblings(parent: str) -> list[tuple[float, str]]:
+    """``(saved_at, path)`` of every complete checkpoint folder directly in ``parent``, oldest first."""
+    out = []
+    for name in os.listdir(parent):
+        full = os.path.join(parent, name)
+        if name.startswith(".") or not os.path.isfile(os.path.join(full, MARKER)):
+            continue
+        try:
+            with open(os.path.join(full, MARKER)) as f:
+                out.append((float(json.load(f)["saved_at"]), full))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not one of ours, or unreadable: never pruned
+    return sorted(out)
+
+
+def _rotate(path: str, keep: int) -> None:
+    """After a commit: write ``latest`` (the folder's name) beside it atomically, and delete all but the
+    ``keep`` newest complete checkpoints there. The checkpoint is saved either way: a failure here warns."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        pointer = os.path.join(parent, f".{LATEST}.{uuid.uuid4().hex[:12]}")
+        with open(pointer, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer, os.path.join(parent, LATEST))
+        _fsync_dir(parent)
+        for _, old in committed_siblings(parent)[:-keep]:
+            if os.path.abspath(old) != os.path.abspath(path):
+                os.remove(os.path.join(old, MARKER))  # first: a half-deleted folder is no checkpoint
+                shutil.rmtree(old)
+    except OSError as exc:
+        warnings.warn(f"checkpoint {path!r} is saved, but updating {LATEST!r} or removing older checkpoints "
+                      f"failed: {exc}", stacklevel=3)
+
+
+def latest(parent: str) -> str | None:
+    """The newest complete checkpoint in ``parent``: the one ``latest`` names if it is complete, else the
+    newest by commit time; ``None`` when there is none."""
+    try:
+        with open(os.path.join(parent, LATEST)) as f:
+            named = os.path.join(parent, f.read().strip())
+        if os.path.isfile(os.path.join(named, MARKER)):
+            return named
+    except OSError:
+        pass
+    found = committed_siblings(parent) if os.path.isdir(parent) else []
+    return found[-1][1] if found else None
 
 
 def _commit(folder: str, path: str, marker: dict) -> None:
