@@ -143,6 +143,26 @@ def test_save_refuses_to_replace_what_is_not_a_checkpoint(tmp_path, obstacle):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
+def _foreign_optimizer_rank(path: str) -> str | None:
+    import torch
+
+    trainer = Trainer(Config(mode="fsdp", steps=4))
+    params = list(trainer.params) + ([torch.nn.Parameter(torch.zeros(3))] if get_platform().rank == 2 else [])
+    try:
+        hp.save_checkpoint(path, trainer.schedule, torch.optim.Adam(params))
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_rank_that_cannot_collect_its_state_fails_the_save_everywhere(tmp_path):
+    messages = set(LocalCluster(4).run(_foreign_optimizer_rank, str(tmp_path / "ckpt")))
+    assert len(messages) == 1 and None not in messages
+    message = messages.pop()
+    assert "rank 2: " in message and "not a parameter of the model" in message, message
+    assert os.listdir(tmp_path) == []
+
+
 def _keep_rank(parent: str) -> list:
     trainer = Trainer(Config(mode="fsdp", steps=4))
     seen = []

@@ -95,7 +95,11 @@ def begin(platform: Any, path: str, local_error: BaseException | None) -> str:
             os.mkdir(folder)
         except OSError as exc:
             error = exc
-    return agree(platform, "save", path, error, where="before writing", payload=folder)[0]
+    try:
+        return agree(platform, "save", path, error, where="before writing", payload=folder)[0]
+    except CheckpointError:
+        abandon(platform, folder)
+        raise
 
 
 def seal(platform: Any, path: str, folder: str, write_error: BaseException | None, layout: str,
