@@ -200,20 +200,18 @@ def load(platform: Any, path: str, params: Mapping[str, Any], optimizers: Sequen
         saved, values = _saved(platform, path)
     except Exception as exc:  # noqa: BLE001 - every rank learns of it
         error = exc
-    everyone = agree(platform, "load", path, error, where=f"reading {where!r}", payload=list(wanted))
+    # torch.distributed.checkpoint holds every rank's entries: which are extra, only all ranks together know
+    everyone = agree(platform, "load", path, error, where=f"reading {where!r}",
+                     payload=list(wanted) if distributed else None)
     error, dest, targets = None, {}, {}
     try:
         sources = _buffer_sources(saved, platform.rank, distributed)
         logical = {k: v for k, v in saved.items() if not k.startswith(("buffer.", "rng", "extra"))}
         logical.update({name: saved[src] for name, src in sources.items()})
-        known = None
-        if distributed:  # the checkpoint holds every rank's entries; an optimizer creates its states later
-            pairs = {k.rsplit(STATE_SEP, 1)[0] for keys in everyone for k in keys if k.startswith("optim")}
-            known = {k for keys in everyone for k in keys}
-            known |= {k for k in logical if k.startswith("optim") and k.rsplit(STATE_SEP, 1)[0] in pairs}
-        else:
-            pairs = {k.rsplit(STATE_SEP, 1)[0] for k in wanted if k.startswith("optim")}
-            known = set(wanted) | {k for k in logical if k.startswith("optim") and k.rsplit(STATE_SEP, 1)[0] in pairs}
+        known = {k for keys in everyone for k in keys} if distributed else set(wanted)
+        # an optimizer creates its states at its first step: those of a parameter it updates are not extra
+        pairs = {k.rsplit(STATE_SEP, 1)[0] for k in known if k.startswith("optim")}
+        known |= {k for k in logical if k.startswith("optim") and k.rsplit(STATE_SEP, 1)[0] in pairs}
         problems = mismatches(logical, wanted, strict, known)
         if problems:
             raise ValueError(f"{where!r} does not match the model{'' if strict else ' (strict=False)'}: "
