@@ -255,6 +255,26 @@ def test_damaged_checkpoint_raises_on_every_rank_and_changes_nothing(saved, tmp_
     assert all(r["unchanged"] for r in results)
 
 
+@pytest.mark.parametrize("framework", ["torch", "mindspore"])
+def test_a_read_failure_on_one_rank_raises_everywhere_and_changes_nothing(saved, tmp_path, monkeypatch, framework):
+    if framework == "torch":
+        from hyper_parallel.platform.torch import checkpoint as module
+
+        path, run = str(saved / "step2"), lambda: LocalCluster(4).run(_load_rank, path)
+    else:
+        from hyper_parallel.platform.mindspore import checkpoint as module
+
+        path = str(tmp_path / "ckpt")
+        LocalCluster(4, platform="mindspore").run(_ms_rank, path, "save")
+        run = lambda: LocalCluster(4, platform="mindspore").run(_ms_rank, path, "load")  # noqa: E731
+    monkeypatch.setattr(module, "read_rank_file", _fail_on(2, module.read_rank_file, OSError(errno.EIO, "I/O error")))
+    results = run()
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1 and None not in messages, messages
+    assert "rank 2: reading" in next(iter(messages)) and "I/O error" in next(iter(messages))
+    assert all(r["unchanged"] for r in results)
+
+
 @pytest.mark.parametrize("tweak,expected", [
     ("lacks", "entries the model lacks: model.gain, optim0.gain.exp_avg"),
     ("reshape", "rank 3: comparing")
@@ -442,3 +462,11 @@ def test_mindspore_batchnorm_frozen_parameter_and_dropout_resume_bitwise(tmp_pat
         assert a["state"].keys() == b["state"].keys()
         for k in a["state"]:
             np.testing.assert_array_equal(a["state"][k], b["state"][k], err_msg=k)
+
+
+def test_a_missing_checkpoint_names_what_an_interrupted_swap_left(tmp_path):
+    left = tmp_path / ".ckpt.saving-0123abcd"
+    left.mkdir()
+    (left / atomic.MARKER).write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"left the complete folders \['.ckpt.saving-0123abcd'\]"):
+        atomic.read_marker(str(tmp_path / "ckpt"))

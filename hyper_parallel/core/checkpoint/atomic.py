@@ -214,7 +214,12 @@ def abandon(platform: Any, folder: str | None) -> None:
 
 def read_marker(path: str) -> dict:
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint at {path!r}")
+        parent, name = os.path.split(os.path.abspath(path))
+        left = sorted(f for f in (os.listdir(parent) if os.path.isdir(parent) else [])
+                      if f.startswith(f".{name}.saving-") and os.path.isfile(os.path.join(parent, f, MARKER)))
+        hint = (f"; a save interrupted while putting it in place left the complete folders {left} in "
+                f"{parent!r} (the newest without '.old' is the new checkpoint): rename one to {name!r}") if left else ""
+        raise FileNotFoundError(f"no checkpoint at {path!r}{hint}")
     marker_file = os.path.join(path, MARKER)
     if not os.path.exists(marker_file):
         raise FileNotFoundError(f"{path!r} has no commit marker {MARKER}: the save that wrote it did not finish, "

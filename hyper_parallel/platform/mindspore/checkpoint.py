@@ -49,6 +49,11 @@ def write_rank_file(entries: list[dict[str, Any]], file: str) -> None:
     ms.save_checkpoint(entries, file)
 
 
+def read_rank_file(file: str) -> dict[str, Any]:
+    """Read one rank's tensors into memory (the seam where an I/O error shows)."""
+    return ms.load_checkpoint(file)
+
+
 def save(platform: Any, folder: str, params: Mapping[str, Any], optimizers: Sequence[Any], extra: Any,
          buffers: Mapping[str, Any]) -> None:
     weights, extra_file = files(folder, platform.rank)
@@ -66,7 +71,7 @@ def load(platform: Any, path: str, params: Mapping[str, Any], optimizers: Sequen
     error, saved, rest, entries = None, {}, {}, {}
     try:
         entries = _entries(params, optimizers, buffers)
-        saved = ms.load_checkpoint(weights)
+        saved = read_rank_file(weights)
         with open(extra_file, "rb") as f:
             rest = pickle.load(f)
         problems = mismatches({k: _spec(v) for k, v in saved.items()}, {k: _spec(v) for k, v in entries.items()},

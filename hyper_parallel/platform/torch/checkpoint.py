@@ -135,8 +135,13 @@ def _saved(platform: Any, path: str) -> tuple[dict[str, Spec], dict[str, Any] | 
         metadata = FileSystemReader(path).read_metadata().state_dict_metadata
         return {k: (tuple(m.size), str(m.properties.dtype)) if isinstance(m, TensorStorageMetadata) else None
                 for k, m in metadata.items()}, None
-    values = torch.load(rank_file(path, platform.rank), weights_only=False, map_location="cpu")
+    values = read_rank_file(rank_file(path, platform.rank))
     return {k: _spec(v) for k, v in values.items()}, values
+
+
+def read_rank_file(file: str) -> dict[str, Any]:
+    """Read one rank's whole state into memory (the seam where an I/O error shows)."""
+    return torch.load(file, weights_only=False, map_location="cpu")
 
 
 def _buffer_sources(saved: Mapping[str, Spec], rank: int, distributed: bool) -> dict[str, str]:
