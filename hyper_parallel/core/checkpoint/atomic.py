@@ -201,7 +201,12 @@ def _commit(folder: str, path: str, marker: dict) -> None:
         except OSError:
             os.rename(old, path)
             raise
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    # the new checkpoint is in place: from here on a failure must not report the save as not done
+    try:
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except OSError as exc:
+        warnings.warn(f"checkpoint {path!r} is in place, but flushing its parent folder failed (after a crash "
+                      f"the previous checkpoint may be back): {exc}", stacklevel=2)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -1,0 +1,59 @@
+"""The last steps of an atomic save on a LocalCluster (plain torch modules, per-rank files): what happens
+once the new checkpoint is in place (a failing directory flush, the ``latest`` pointer of ``keep=``) and
+a target that is a symbolic link."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+
+import hyper_parallel as hp
+from hyper_parallel.core.checkpoint import atomic
+from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.local import LocalCluster
+
+
+def _model(seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    return module, torch.optim.Adam(module.parameters(), lr=0.1)
+
+
+def _save_rank(path: str, extra, keep=None) -> str | None:
+    module, optimizer = _model()
+    try:
+        hp.save_checkpoint(path, module, optimizer, extra=extra, keep=keep)
+    except hp.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _load_rank(path: str):
+    module, optimizer = _model(1)
+    return hp.load_checkpoint(path, module, optimizer)
+
+
+def test_a_failing_flush_after_the_rename_does_not_report_an_unchanged_checkpoint(tmp_path, monkeypatch):
+    """Once the new folder is in place the save has happened: a failing flush of the parent folder (or of
+    the removal of the old one) may not raise "nothing was changed" while the new checkpoint is there."""
+    path = str(tmp_path / "ckpt")
+    assert LocalCluster(2).run(_save_rank, path, 1) == [None, None]
+    real = atomic._fsync_dir
+
+    def failing(folder: str) -> None:
+        if os.path.abspath(folder) == str(tmp_path):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        real(folder)
+
+    monkeypatch.setattr(atomic, "_fsync_dir", failing)
+    with pytest.warns(UserWarning, match="Input/output error"):
+        results = LocalCluster(2).run(_save_rank, path, 2)
+    assert results == [None, None]
+    monkeypatch.setattr(atomic, "_fsync_dir", real)
+    assert LocalCluster(2).run(_load_rank, path) == [2, 2]
+    assert os.listdir(tmp_path) == ["ckpt"]
