@@ -57,3 +57,18 @@ def test_a_failing_flush_after_the_rename_does_not_report_an_unchanged_checkpoin
     monkeypatch.setattr(atomic, "_fsync_dir", real)
     assert LocalCluster(2).run(_load_rank, path) == [2, 2]
     assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_a_save_through_a_symbolic_link_replaces_the_checkpoint_it_points_to(tmp_path):
+    """``ckpt -> store/ckpt`` (a checkpoint kept on another disk): a save through the link writes beside
+    the real folder and keeps the link, instead of putting a folder where the link was and leaving the
+    link behind as a hidden leftover."""
+    store = tmp_path / "store"
+    store.mkdir()
+    real, link = store / "ckpt", tmp_path / "ckpt"
+    assert LocalCluster(2).run(_save_rank, str(real), 1) == [None, None]
+    link.symlink_to(real, target_is_directory=True)
+    assert LocalCluster(2).run(_save_rank, str(link), 2) == [None, None]
+    assert link.is_symlink() and sorted(os.listdir(tmp_path)) == ["ckpt", "store"]
+    assert sorted(os.listdir(store)) == ["ckpt"]
+    assert LocalCluster(2).run(_load_rank, str(real)) == [2, 2]

@@ -56,7 +56,7 @@ def save_checkpoint(path: str, model: Any, optimizers: Any = None, extra: Any = 
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an int >= 1 or None, got {keep!r}")
     p = get_platform()
-    path = str(path)
+    path = atomic.resolve(str(path))
     error, params, buffers = None, {}, {}
     try:
         params, buffers = state_keys(model)

@@ -82,6 +82,12 @@ def _check_target(path: str) -> None:
                               "it is not replaced: remove it or save elsewhere")
 
 
+def resolve(path: str) -> str:
+    """The folder a save replaces: the target of ``path`` when it is a symbolic link (the link stays and
+    the temporary folder is made beside the real one, on its file system), else ``path``."""
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
 def begin(platform: Any, path: str, local_error: BaseException | None) -> str:
     """Rank 0 makes the temporary folder; returns its name on every rank (after every rank reported
     ``local_error``, a failure found before writing)."""
