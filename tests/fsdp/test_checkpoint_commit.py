@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 
 import pytest
 
@@ -72,3 +71,23 @@ def test_a_save_through_a_symbolic_link_replaces_the_checkpoint_it_points_to(tmp
     assert link.is_symlink() and sorted(os.listdir(tmp_path)) == ["ckpt", "store"]
     assert sorted(os.listdir(store)) == ["ckpt"]
     assert LocalCluster(2).run(_load_rank, str(real)) == [2, 2]
+
+
+def _keep_rank(parent: str) -> list:
+    module, optimizer = _model()
+    seen = []
+    for step in (1, 2, 3):
+        hp.save_checkpoint(os.path.join(parent, f"step{step}"), module, optimizer, extra=step, keep=1)
+        latest = os.path.join(parent, atomic.LATEST)
+        seen.append((open(latest).read() if os.path.exists(latest) else None, sorted(os.listdir(parent))))
+        get_platform().barrier()
+    return seen
+
+
+def test_keep_returns_on_every_rank_only_once_latest_names_the_new_checkpoint(tmp_path):
+    """``save_checkpoint(..., keep=k)`` is a collective: on no rank may it return before rank 0 pointed
+    ``latest`` at the new checkpoint and pruned (a rank resuming from ``latest_checkpoint`` would get the
+    previous one, which the pruning may be deleting under it)."""
+    results = LocalCluster(2).run(_keep_rank, str(tmp_path))
+    expected = [(f"step{s}\n", ["latest", f"step{s}"]) for s in (1, 2, 3)]
+    assert results == [expected, expected]

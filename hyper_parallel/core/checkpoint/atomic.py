@@ -133,8 +133,10 @@ def seal(platform: Any, path: str, folder: str, write_error: BaseException | Non
         except OSError as exc:
             error = exc
     agree(platform, "save", path, error, where=f"committing {folder!r}")
-    if platform.rank == 0 and keep is not None:
-        _rotate(path, keep)
+    if keep is not None:
+        if platform.rank == 0:
+            _rotate(path, keep)
+        platform.barrier()  # no rank returns before ``latest`` names the new checkpoint
 
 
 def committed_siblings(parent: str) -> list[tuple[float, str]]:
