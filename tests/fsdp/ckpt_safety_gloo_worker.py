@@ -7,7 +7,8 @@ rank's results into OUT.
 2. loads of damaged copies (a truncated data file, a missing one) and into a model whose second stage
    lacks a parameter the checkpoint holds: every rank must raise, none may enter the collective read;
 3. a stage with BatchNorm and dropout, fully sharded, saved at step 2 and resumed in new objects after
-   the random state was disturbed, against the uninterrupted run.
+   the random state was disturbed, against the uninterrupted run;
+4. an ``extra`` that differs per rank comes back to the rank that saved it.
 """
 
 from __future__ import annotations
@@ -157,6 +158,16 @@ def _bn_run(path: str, mesh, phase: str) -> dict:
     return {"losses": losses[-2:], "state": state}
 
 
+def own_extra(base: str) -> object:
+    """Each rank saves an ``extra`` of its own (its data loader's position) and must get it back."""
+    rank = hp.get_platform().rank
+    torch.manual_seed(0)
+    module = nn.Linear(3, 2)
+    path = os.path.join(base, "own_extra")
+    hp.save_checkpoint(path, module, extra={"rank": rank, "position": 100 + rank})
+    return hp.load_checkpoint(path, nn.Linear(3, 2))
+
+
 def main() -> None:
     out_file, base = sys.argv[1], sys.argv[2]
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -164,6 +175,7 @@ def main() -> None:
     bn_path = os.path.join(base, "bn")
     result["bn_first"] = _bn_run(bn_path, mesh, "save")
     result["bn_second"] = _bn_run(bn_path, mesh, "load")
+    result["own_extra"] = own_extra(base)
     everyone = hp.get_platform().all_gather_object(result)
     if hp.get_platform().rank == 0:
         with open(out_file, "wb") as f:

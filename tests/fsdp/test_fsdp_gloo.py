@@ -111,7 +111,8 @@ def test_checkpoint_resumes_bitwise_in_new_processes_and_reshards(tmp_path):
 def test_checkpoint_failures_raise_on_every_rank_and_batchnorm_dropout_resume_bitwise(tmp_path):
     """torch.distributed.checkpoint with FSDP2 (``ckpt_safety_gloo_worker.py``): failed saves keep the
     previous checkpoint, damaged or mismatched loads raise one error on every rank without entering the
-    collective read, and a BatchNorm + dropout stage with a frozen parameter resumes bit for bit."""
+    collective read, a BatchNorm + dropout stage with a frozen parameter resumes bit for bit, and each
+    rank gets back the ``extra`` it saved."""
     base = tmp_path / "base"
     base.mkdir()
     out = str(tmp_path / "out.pkl")
@@ -134,6 +135,8 @@ def test_checkpoint_failures_raise_on_every_rank_and_batchnorm_dropout_resume_bi
     messages = {f["lacks"]["error"] for f in fails}
     assert len(messages) == 1 and None not in messages and "entries the model lacks: model.gain" in messages.pop()
     assert [f["resumed"] for f in fails] == [{"step": 2}] * 4
+    # torch.distributed.checkpoint keeps one copy of a key all ranks write: each rank's extra is its own
+    assert [r["own_extra"] for r in results] == [{"rank": r, "position": 100 + r} for r in range(4)]
     for r in results:
         first, second = r["bn_first"], r["bn_second"]
         assert first["losses"] == second["losses"]

@@ -11,13 +11,13 @@ The state is one flat dict (keys from ``hyper_parallel/core/checkpoint/keys.py``
   (so it follows the parameter when the pipeline or data-parallel split changes);
 * ``optim<j>.<key>.hparams``: the options of the parameter's group (``lr``, ``betas``...), pickled;
 * ``rng`` / ``rng.<rank>``: the rank's random state (CPU and accelerator generators), pickled;
-* ``extra``: the caller's object, pickled.
+* ``extra`` / ``extra.<rank>``: the caller's object, pickled (each rank's own: it may differ per rank).
 
 With ``torch.distributed.checkpoint`` every rank writes its own pieces and loading reshards: a
 parameter saved as FSDP shards over 2 ranks loads into shards over 4 ranks, into an unsharded
-parameter, or onto another pipeline rank. A buffer loads from the copy the same rank saved, else from
-the lowest rank that saved one; the random state only on a rank that saved one. Loading reads into
-new tensors first and copies them in once every rank read its part (a load needs memory for a second
+parameter, or onto another pipeline rank. A buffer (and ``extra``) loads from the copy the same rank
+saved, else from the lowest rank that saved one; the random state only on a rank that saved one. Loading
+reads into new tensors first and copies them in once every rank read its part (a load needs memory for a second
 copy of the rank's state). Optimizer states that do not exist yet (torch creates them at the first
 ``step``) are created from the checkpoint's metadata, laid out like their parameter. Non-tensor values
 travel pickled: load checkpoints you trust.
@@ -84,7 +84,7 @@ def state_dict(platform: Any, params: Mapping[str, Any], optimizers: Sequence[An
             state[f"optim{j}.{key}.{name}"] = value if isinstance(value, torch.Tensor) else pickle.dumps(value)
         state[f"optim{j}.{key}.hparams"] = pickle.dumps({k: v for k, v in group.items() if k != "params"})
     state[f"rng{own}"] = pickle.dumps(platform.get_rng_state())
-    state["extra"] = pickle.dumps(extra)
+    state[f"extra{own}"] = pickle.dumps(extra)  # per rank: one key all ranks wrote would keep one rank's
     return state
 
 
@@ -158,6 +158,16 @@ def _buffer_sources(saved: Mapping[str, Spec], rank: int, distributed: bool) -> 
     return {logical: k for logical, (_, k) in out.items()}
 
 
+def _extra_source(saved: Mapping[str, Spec], rank: int, distributed: bool) -> str | None:
+    """The ``extra`` entry this rank loads: its own, else (a rank the saving job lacked) the lowest rank's."""
+    if not distributed:
+        return "extra" if "extra" in saved else None
+    ranks = sorted(int(k.split(STATE_SEP, 1)[1]) for k in saved if k.startswith("extra."))
+    if not ranks:
+        return None
+    return f"extra.{rank if rank in ranks else ranks[0]}"
+
+
 def _optim_key(full: str) -> tuple[int, str, str]:
     head, name = full.rsplit(STATE_SEP, 1)
     j, key = head.split(STATE_SEP, 1)
@@ -208,7 +218,7 @@ def load(platform: Any, path: str, params: Mapping[str, Any], optimizers: Sequen
     # torch.distributed.checkpoint holds every rank's entries: which are extra, only all ranks together know
     everyone = agree(platform, "load", path, error, where=f"reading {where!r}",
                      payload=list(wanted) if distributed else None)
-    error, dest, targets = None, {}, {}
+    error, dest, targets, extra = None, {}, {}, None
     try:
         sources = _buffer_sources(saved, platform.rank, distributed)
         logical = {k: v for k, v in saved.items() if not k.startswith(("buffer.", "rng", "extra"))}
@@ -228,7 +238,8 @@ def load(platform: Any, path: str, params: Mapping[str, Any], optimizers: Sequen
         for j, param, _group, key in _optimizer_entries(optimizers, params):
             for full in by_param.get((j, key), ()):
                 dest[full] = _destination(logical[full], param)
-        dest.update({k: b"" for k in (rng, "extra") if k in saved})
+        extra = _extra_source(saved, platform.rank, distributed)
+        dest.update({k: b"" for k in (rng, extra) if k is not None and k in saved})
     except Exception as exc:  # noqa: BLE001
         error = exc
     agree(platform, "load", path, error, where=f"comparing {where!r} with the model")
@@ -243,11 +254,11 @@ def load(platform: Any, path: str, params: Mapping[str, Any], optimizers: Sequen
     except Exception as exc:  # noqa: BLE001
         error = exc
     agree(platform, "load", path, error, where=f"reading {where!r}")
-    return _apply(platform, dest, targets, optimizers, params, rng)
+    return _apply(platform, dest, targets, optimizers, params, rng, extra)
 
 
 def _apply(platform: Any, dest: dict[str, Any], targets: Mapping[str, Any], optimizers: Sequence[Any],
-           params: Mapping[str, Any], rng: str) -> Any:
+           params: Mapping[str, Any], rng: str, extra: str | None) -> Any:
     """Copy what every rank read successfully into the model, the optimizers and the generators."""
     with torch.no_grad():
         for k, target in targets.items():
@@ -262,4 +273,4 @@ def _apply(platform: Any, dest: dict[str, Any], targets: Mapping[str, Any], opti
                 optimizers[j].state[param][name] = value if isinstance(value, torch.Tensor) else pickle.loads(value)
     if rng in dest:
         platform.set_rng_state(pickle.loads(dest[rng]))
-    return pickle.loads(dest["extra"]) if "extra" in dest else None
+    return pickle.loads(dest[extra]) if extra in dest else None
