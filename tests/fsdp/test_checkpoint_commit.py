@@ -5,6 +5,7 @@ a target that is a symbolic link."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import pytest
@@ -91,3 +92,28 @@ def test_keep_returns_on_every_rank_only_once_latest_names_the_new_checkpoint(tm
     results = LocalCluster(2).run(_keep_rank, str(tmp_path))
     expected = [(f"step{s}\n", ["latest", f"step{s}"]) for s in (1, 2, 3)]
     assert results == [expected, expected]
+
+
+def _load_error_rank(path: str) -> str | None:
+    module, optimizer = _model(1)
+    try:
+        hp.load_checkpoint(path, module, optimizer)
+    except hp.CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("marker", ["a list", "files as a list"])
+def test_a_malformed_commit_marker_raises_checkpoint_error_on_every_rank(tmp_path, marker):
+    """Valid JSON of another shape in ``COMMITTED.json`` is a damaged checkpoint like any other: the same
+    CheckpointError on every rank (an AttributeError escaped the checks, and a rank raising outside the
+    agreement leaves the others waiting)."""
+    path = str(tmp_path / "ckpt")
+    assert LocalCluster(2).run(_save_rank, path, 1) == [None, None]
+    with open(os.path.join(path, atomic.MARKER)) as f:
+        content = json.load(f)
+    with open(os.path.join(path, atomic.MARKER), "w") as f:
+        json.dump([] if marker == "a list" else dict(content, files=sorted(content["files"])), f)
+    messages = set(LocalCluster(2).run(_load_error_rank, path))
+    assert len(messages) == 1 and None not in messages
+    assert "checking the files" in messages.pop()
