@@ -470,3 +470,30 @@ def test_a_missing_checkpoint_names_what_an_interrupted_swap_left(tmp_path):
     (left / atomic.MARKER).write_text("{}")
     with pytest.raises(FileNotFoundError, match=r"left the complete folders \['.ckpt.saving-0123abcd'\]"):
         atomic.read_marker(str(tmp_path / "ckpt"))
+
+
+def _ms_buffers_rank(path: str, phase: str, cache: int):
+    import mindspore as ms
+    from mindspore import nn, ops
+
+    class Net(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Dense(3, 3)
+            self.register_buffer("cache", ops.ones(cache, ms.float32) * cache, persistent=False)  # derived
+            self.register_buffer("count", ops.ones(1, ms.float32) * cache)  # state
+
+    net = Net()
+    optimizer = nn.Adam(net.trainable_params(), learning_rate=0.1)
+    if phase == "save":
+        hp.save_checkpoint(path, net, optimizer, extra=1)
+        return None
+    return hp.load_checkpoint(path, net, optimizer), net.cache.asnumpy().tolist(), net.count.asnumpy().tolist()
+
+
+def test_mindspore_non_persistent_buffers_are_not_saved(tmp_path):
+    """As on torch: a buffer registered with ``persistent=False`` (a cache the model derives) is no part
+    of the checkpoint; a resumed model that derives another one loads, the persistent buffer comes back."""
+    path = str(tmp_path / "ckpt")
+    LocalCluster(1, platform="mindspore").run(_ms_buffers_rank, path, "save", 2)
+    assert LocalCluster(1, platform="mindspore").run(_ms_buffers_rank, path, "load", 3) == [(1, [3.0] * 3, [2.0])]

@@ -2,8 +2,8 @@
 (``hyper_parallel/core/checkpoint/atomic.py``).
 
 ``rank<r>.ckpt`` holds this rank's parameters, trainable or frozen (``model.<key>``, the local shards of
-fully sharded ones; BatchNorm's moving statistics are frozen parameters on MindSpore), the buffers a
-Cell registered (``buffer.<key>``) and every parameter of each optimizer (``optim<j>.<name>``: moments,
+fully sharded ones; BatchNorm's moving statistics are frozen parameters on MindSpore), the persistent
+buffers a Cell registered (``buffer.<key>``) and every parameter of each optimizer (``optim<j>.<name>``: moments,
 step counters, learning rate; the model's own parameters an optimizer lists are not stored twice);
 ``rank<r>.extra.pkl`` holds the caller's object and the rank's random state
 (``MindSporePlatform.get_rng_state``), pickled. Loading reads the whole file first, compares it with

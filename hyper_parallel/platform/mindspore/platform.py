@@ -348,8 +348,14 @@ class MindSporePlatform(Platform):
 
     def checkpointed_tensors(self, module: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
         """Every parameter (by ``Parameter.name``; BatchNorm's moving statistics are frozen parameters
-        here) and the buffers a Cell registered."""
-        buffers = list(module.named_buffers()) if hasattr(module, "named_buffers") else []
+        here) and the persistent buffers a Cell registered (not those with ``persistent=False``, as on torch)."""
+        buffers = []
+        if hasattr(module, "named_buffers"):
+            for prefix, cell in module.cells_and_names():
+                skip = getattr(cell, "_non_persistent_buffers_set", set())
+                for name, buf in cell.named_buffers(recurse=False):
+                    if name not in skip:
+                        buffers.append((f"{prefix}.{name}" if prefix else name, buf))
         return [(p.name, p) for p in module.get_parameters()], buffers
 
     def save_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any], extra: Any,
