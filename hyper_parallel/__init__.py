@@ -54,12 +54,17 @@ __all__ = [
 __all__ += ["DTensor", "Layout", "Partial", "Replicate", "Shard", "distribute_tensor"]
 
 # data parallelism, FSDP, checkpoints and training-loop helpers
-from hyper_parallel.core.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from hyper_parallel.core.checkpoint import (  # noqa: E402
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from hyper_parallel.core.fully_shard import data_parallel, fully_shard  # noqa: E402
 from hyper_parallel.core.train_utils import clip_grad_norm_, grads_are_finite  # noqa: E402
 
-__all__ += ["clip_grad_norm_", "data_parallel", "fully_shard", "grads_are_finite", "load_checkpoint",
-            "save_checkpoint"]
+__all__ += ["CheckpointError", "clip_grad_norm_", "data_parallel", "fully_shard", "grads_are_finite",
+            "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 # overlapping communication with compute (the overlap_b_f hooks)
 from hyper_parallel.core.pipeline_parallel.overlap import (  # noqa: E402

@@ -750,13 +750,27 @@ class Platform(ABC):
         else ``None``; its methods are listed in ``hyper_parallel/core/fully_shard/native.py``."""
         return None
 
-    def save_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any], extra: Any) -> None:
-        """Write ``params`` (key -> parameter), the state of ``optimizers`` and ``extra`` under ``path``
-        (a collective over the world; see ``hyper_parallel/core/checkpoint.py``)."""
+    def checkpointed_tensors(self, module: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+        """What a checkpoint holds of ``module``: every parameter (trainable or frozen) and every
+        persistent buffer, each as ``(name, tensor)``."""
+        raise NotImplementedError(f"the {self.name} platform cannot list a module's state")
+
+    def checkpoint_layout(self) -> str:
+        """The kind of checkpoint this job writes (recorded in the commit marker; a load checks it)."""
+        return f"{self.name} per-rank files"
+
+    def save_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any], extra: Any,
+                        buffers: Mapping[str, Any] | None = None) -> None:
+        """Write ``params`` and ``buffers`` (key -> tensor), the state of ``optimizers``, this rank's random
+        state and ``extra`` into the existing folder ``path`` (a collective over the world; atomicity is
+        ``hyper_parallel/core/checkpoint/atomic.py``'s)."""
         raise NotImplementedError(f"the {self.name} platform cannot save checkpoints")
 
-    def load_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any]) -> Any:
-        """Read what :meth:`save_checkpoint` wrote into the given parameters and optimizers; returns ``extra``."""
+    def load_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any],
+                        buffers: Mapping[str, Any] | None = None, strict: bool = True) -> Any:
+        """Read what :meth:`save_checkpoint` wrote into the given tensors and optimizers and restore the
+        random state; returns ``extra``. Every rank validates first and the ranks agree before anything
+        changes (:func:`hyper_parallel.platform.checkpoint_common.agree`)."""
         raise NotImplementedError(f"the {self.name} platform cannot load checkpoints")
 
     # ------------------------------------------------------------------ random state

@@ -134,3 +134,40 @@ def test_checkpoint_resumes_bitwise_in_new_processes_and_reshards(tmp_path):
     assert len(losses) == 1
     for step in (2, 3):  # micro-batches of the same 2 rows; Adam's state came along with the parameters
         np.testing.assert_allclose(losses[0][step], replica_losses(first, cfg, step), **TOL["torch"])
+
+
+def test_checkpoint_failures_raise_on_every_rank_and_batchnorm_dropout_resume_bitwise(tmp_path):
+    """torch.distributed.checkpoint with FSDP2 (``ckpt_safety_gloo_worker.py``): failed saves keep the
+    previous checkpoint, damaged or mismatched loads raise one error on every rank without entering the
+    collective read, a BatchNorm + dropout stage with a frozen parameter resumes bit for bit, and each
+    rank gets back the ``extra`` it saved."""
+    base = tmp_path / "base"
+    base.mkdir()
+    out = str(tmp_path / "out.pkl")
+    run_torchrun(os.path.join(HERE, "ckpt_safety_gloo_worker.py"), 4, out, str(base), timeout=300)
+    with open(out, "rb") as f:
+        results = pickle.load(f)
+    fails = [r["failures"] for r in results]
+    for case, rank, words in (("engine", 1, "__1_0.distcp"), ("flush", 2, "No space left on device")):
+        messages = {f[case]["error"] for f in fails}
+        assert len(messages) == 1 and None not in messages, (case, messages)
+        message = messages.pop()
+        assert f"rank {rank}: " in message and words in message, message
+    assert fails[1]["engine"]["cause"] == "CheckpointException"  # torch's error kept as the cause
+    assert fails[0]["kept"] and fails[0]["listing"] == ["ckpt"]  # the step-2 checkpoint as it was
+    for case in ("truncated", "deleted"):
+        messages = {f[case]["error"] for f in fails}
+        assert len(messages) == 1 and None not in messages, (case, messages)
+        assert f"{case}/__1_0.distcp" in messages.pop()
+        assert all(f[case]["unchanged"] for f in fails)
+    messages = {f["lacks"]["error"] for f in fails}
+    assert len(messages) == 1 and None not in messages and "entries the model lacks: model.gain" in messages.pop()
+    assert [f["resumed"] for f in fails] == [{"step": 2}] * 4
+    # torch.distributed.checkpoint keeps one copy of a key all ranks write: each rank's extra is its own
+    assert [r["own_extra"] for r in results] == [{"rank": r, "position": 100 + r} for r in range(4)]
+    for r in results:
+        first, second = r["bn_first"], r["bn_second"]
+        assert first["losses"] == second["losses"]
+        assert first["state"].keys() == second["state"].keys()
+        for k in first["state"]:
+            assert torch.equal(first["state"][k], second["state"][k]), k

@@ -338,7 +338,7 @@ def _ckpt_rank(path: str, phase: str) -> dict:
 def test_torch_checkpoint_per_rank_files_resume_bitwise(tmp_path):
     path = str(tmp_path / "ckpt")
     first = LocalCluster(4).run(_ckpt_rank, path, "save")
-    assert sorted(os.listdir(path)) == [f"rank{r}.pt" for r in range(4)]
+    assert sorted(os.listdir(path)) == ["COMMITTED.json"] + [f"rank{r}.pt" for r in range(4)]
     second = LocalCluster(4).run(_ckpt_rank, path, "load")
     cfg = Config(mode="fsdp", steps=4)
     assert [r["extra"] for r in second] == [{"step": 2}] * 4
@@ -396,7 +396,7 @@ with open({out!r}, "wb") as f:
 def test_mindspore_checkpoint_resumes_bitwise_in_a_new_process(tmp_path):
     path, out = str(tmp_path / "ckpt"), str(tmp_path / "resumed.pkl")
     first = LocalCluster(4, platform="mindspore").run(_ms_ckpt_rank, path, "save")
-    assert sorted(os.listdir(path)) == sorted([f"rank{r}.ckpt" for r in range(4)] +
+    assert sorted(os.listdir(path)) == sorted(["COMMITTED.json"] + [f"rank{r}.ckpt" for r in range(4)] +
                                               [f"rank{r}.extra.pkl" for r in range(4)])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), HERE]))
     subprocess.run([sys.executable, "-c", _MS_RESUME.format(here=HERE, path=path, out=out)], check=True,

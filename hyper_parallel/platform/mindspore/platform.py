@@ -349,15 +349,29 @@ class MindSporePlatform(Platform):
     def register_forward_pre_hook(self, module: Any, hook: Callable[[], None]) -> Any:
         return module.register_forward_pre_hook(lambda _cell, _args: hook())
 
-    def save_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any], extra: Any) -> None:
+    def checkpointed_tensors(self, module: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+        """Every parameter (by ``Parameter.name``; BatchNorm's moving statistics are frozen parameters
+        here) and the persistent buffers a Cell registered (not those with ``persistent=False``, as on torch)."""
+        buffers = []
+        if hasattr(module, "named_buffers"):
+            for prefix, cell in module.cells_and_names():
+                skip = getattr(cell, "_non_persistent_buffers_set", set())
+                for name, buf in cell.named_buffers(recurse=False):
+                    if name not in skip:
+                        buffers.append((f"{prefix}.{name}" if prefix else name, buf))
+        return [(p.name, p) for p in module.get_parameters()], buffers
+
+    def save_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any], extra: Any,
+                        buffers: Mapping[str, Any] | None = None) -> None:
         from hyper_parallel.platform.mindspore import checkpoint
 
-        checkpoint.save(self, path, params, optimizers, extra)
+        checkpoint.save(self, path, params, optimizers, extra, buffers or {})
 
-    def load_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any]) -> Any:
+    def load_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any],
+                        buffers: Mapping[str, Any] | None = None, strict: bool = True) -> Any:
         from hyper_parallel.platform.mindspore import checkpoint
 
-        return checkpoint.load(self, path, params, optimizers)
+        return checkpoint.load(self, path, params, optimizers, buffers or {}, strict)
 
     # ------------------------------------------------------------------ random state
     def get_rng_state(self) -> tuple[Any, dict[Any, int], Any]:

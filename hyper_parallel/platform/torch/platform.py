@@ -383,15 +383,30 @@ class TorchPlatform(Platform):
             raise RuntimeError(f"the pipeline cannot drive torch's FSDP here: {reason}")
         return fsdp.TorchFSDP()
 
-    def save_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any], extra: Any) -> None:
+    def checkpointed_tensors(self, module: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+        buffers = []
+        for prefix, sub in module.named_modules():
+            for name, buf in sub.named_buffers(recurse=False):
+                if name not in sub._non_persistent_buffers_set:
+                    buffers.append((f"{prefix}.{name}" if prefix else name, buf))
+        return list(module.named_parameters()), buffers
+
+    def checkpoint_layout(self) -> str:
         from hyper_parallel.platform.torch import checkpoint
 
-        checkpoint.save(self, path, params, optimizers, extra)
+        return checkpoint.layout(self)
 
-    def load_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any]) -> Any:
+    def save_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any], extra: Any,
+                        buffers: Mapping[str, Any] | None = None) -> None:
         from hyper_parallel.platform.torch import checkpoint
 
-        return checkpoint.load(self, path, params, optimizers)
+        checkpoint.save(self, path, params, optimizers, extra, buffers or {})
+
+    def load_checkpoint(self, path: str, params: Mapping[str, Any], optimizers: Sequence[Any],
+                        buffers: Mapping[str, Any] | None = None, strict: bool = True) -> Any:
+        from hyper_parallel.platform.torch import checkpoint
+
+        return checkpoint.load(self, path, params, optimizers, buffers or {}, strict)
 
     # ------------------------------------------------------------------ random state
     def get_rng_state(self) -> tuple[Any, Any]:
