@@ -257,6 +257,14 @@ def load(platform: Any, path: str, params: Mapping[str, Any], optimizers: Sequen
     return _apply(platform, dest, targets, optimizers, params, rng, extra)
 
 
+def _on_param_device(value: Any, name: str, group: Mapping[str, Any], param: Any) -> Any:
+    """A state read onto the host goes where its optimizer keeps it: beside its parameter, except a
+    ``step`` counter of an optimizer that is neither capturable nor fused (torch keeps that one on the host)."""
+    if name == "step" and not (group.get("capturable") or group.get("fused")):
+        return value
+    return value.to(device=param.device)
+
+
 def _apply(platform: Any, dest: dict[str, Any], targets: Mapping[str, Any], optimizers: Sequence[Any],
            params: Mapping[str, Any], rng: str, extra: str | None) -> Any:
     """Copy what every rank read successfully into the model, the optimizers and the generators."""
@@ -270,7 +278,8 @@ def _apply(platform: Any, dest: dict[str, Any], targets: Mapping[str, Any], opti
             if name == "hparams":
                 group.update(pickle.loads(value))
             else:
-                optimizers[j].state[param][name] = value if isinstance(value, torch.Tensor) else pickle.loads(value)
+                optimizers[j].state[param][name] = (_on_param_device(value, name, group, param)
+                                                    if isinstance(value, torch.Tensor) else pickle.loads(value))
     if rng in dest:
         platform.set_rng_state(pickle.loads(dest[rng]))
     return pickle.loads(dest[extra]) if extra in dest else None
