@@ -324,3 +324,66 @@ def test_swapped_activations_are_checked_when_they_leave(mode):
     rec = _swapped_record(fn, [w1, w2], lambda: kept["h"].mul_(2.0))
     with pytest.raises(RuntimeError, match=INPLACE):
         _backward(rec, mode, dy)
+
+
+# ---------------------------------------------------------------------------- documented limits
+def test_module_backward_hooks_that_change_gradients_run_once():
+    lin1, lin2 = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+    calls: list[str] = []
+    handles = [
+        lin2.register_full_backward_pre_hook(lambda m, go: (calls.append("pre"), tuple(g * 2 for g in go))[1]),
+        lin2.register_full_backward_hook(
+            lambda m, gi, go: (calls.append("post"), tuple(None if g is None else g * 3 for g in gi))[1]),
+    ]
+    params = [*lin1.parameters(), *lin2.parameters()]
+    x, dy = _rand(5, 4, seed=0), _rand(5, 3, seed=9)
+
+    def fn(a: Any) -> Any:
+        return lin2(torch.tanh(lin1(a)))
+
+    def run(mode: str) -> tuple[list[Any], list[str]]:
+        for p in params:
+            p.grad = None
+        calls.clear()
+        if mode == "plain":
+            leaf = x.clone().requires_grad_(True)
+            fn(leaf).backward(dy)
+            dx = leaf.grad
+        else:
+            rec = P.stage_forward(fn, (x,), {}, params, (True,))
+            (dx,) = P.stage_backward_input(rec, (dy,))
+            P.stage_backward_weight(rec)
+        return [dx.clone(), *(p.grad.clone() for p in params)], list(calls)
+
+    try:
+        want, want_calls = run("plain")
+        got, got_calls = run("split")
+    finally:
+        for h in handles:
+            h.remove()
+    assert got_calls == want_calls == ["pre", "post"]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_a_node_posthook_at_the_boundary_runs_once_in_dx():
+    # docs/zero_bubble.md: such a posthook runs in the input step only, with None for the weight
+    # outputs (which the weight step computes without it): dx as in plain autograd, one call
+    w1, w2 = _lin()
+    seen: list[tuple[bool, ...]] = []
+
+    def fn(x: Any) -> Any:
+        h = x @ w1
+        h.grad_fn.register_hook(lambda gi, go: seen.append(tuple(g is None for g in gi)))
+        return torch.tanh(h) @ w2
+
+    x, dy = _rand(5, 4, seed=0), _rand(5, 3, seed=9)
+    leaf = x.clone().requires_grad_(True)
+    fn(leaf).backward(dy)
+    assert seen == [(False, False)]
+    seen.clear()
+    rec = P.stage_forward(fn, (x,), {}, [w1, w2], (True,))
+    (dx,) = P.stage_backward_input(rec, (dy,))
+    P.stage_backward_weight(rec)
+    assert seen == [(False, True)], seen
+    torch.testing.assert_close(dx, leaf.grad, rtol=1e-6, atol=1e-7)
