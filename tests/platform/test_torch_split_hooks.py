@@ -326,6 +326,36 @@ def test_swapped_activations_are_checked_when_they_leave(mode):
         _backward(rec, mode, dy)
 
 
+class _ReluThenAdd(torch.nn.Module):
+    def __init__(self, bad: bool) -> None:
+        super().__init__()
+        self.l1, self.l2, self.bad = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3), bad
+
+    def forward(self, x: Any) -> Any:
+        h = self.l1(x).relu_()  # relu_ saves its result
+        if self.bad:
+            h.add_(1.0)  # ...which this changes (plain torch raises)
+        return self.l2(h)
+
+
+@pytest.mark.parametrize("mode", ["full", "split"])
+def test_a_recomputed_tensor_changed_in_place_raises_like_torch(mode):
+    # checkpoint_wrapper drops what the forward saves and the re-run saves it again: the re-run
+    # changes it in place exactly as the forward did, so the check applies to what the re-run saved
+    from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    dy = _rand(5, 3, seed=9)
+    for bad in (False, True):
+        module = checkpoint_wrapper(_ReluThenAdd(bad))
+        rec = P.stage_forward(module, (_rand(5, 4, seed=0),), {}, list(module.parameters()), (True,))
+        if not bad:
+            _backward(rec, mode, dy)  # valid: runs
+            continue
+        with pytest.raises(RuntimeError, match=INPLACE):
+            _backward(rec, mode, dy)
+
+
 # ---------------------------------------------------------------------------- documented limits
 def test_module_backward_hooks_that_change_gradients_run_once():
     lin1, lin2 = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)

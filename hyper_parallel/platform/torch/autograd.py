@@ -38,8 +38,9 @@ class _Saved:
 
     A saved-tensor hook turns off torch's own in-place check, so the item does it: ``version`` is
     the tensor's version counter when it was saved, compared when the backward unpacks it. Where
-    a swap or a recompute replaces the tensor (``tensor = ...``), the check happens then, on the
-    tensor that leaves; what comes back is a copy made by the library and is not checked again.
+    a swap or a recompute replaces the tensor (``tensor = ...``), the tensor that leaves is checked
+    then, and what comes back is checked from then on: a recompute's re-run may change what it
+    saved in place exactly as the forward did (a swapped copy is changed by nobody).
     """
 
     __slots__ = ("_tensor", "version", "dx_only", "source", "__weakref__")
@@ -63,8 +64,8 @@ class _Saved:
         old, saved = self._tensor, self.version
         if isinstance(saved, int) and old is not None and old._version != saved:
             self.version = (saved, old._version)  # the unpack raises, whatever comes back
-        elif isinstance(saved, int):
-            self.version = None
+        elif not isinstance(saved, tuple):
+            self.version = None if value is None else value._version
         self._tensor = value
 
 
