@@ -67,3 +67,49 @@ def test_a_saved_tensor_changed_in_place_raises_on_every_path(schedule, m, stage
 @pytest.mark.parametrize("m", [1, 2])
 def test_valid_in_place_ops_pass_on_every_path(schedule, m):
     run_and_check(Job(schedule, m, valid_inplace=True))
+
+
+# ---------------------------------------------------------------- a failed run and the loss parameters
+def _run_then_fail(schedule: str) -> list[bool]:
+    """A good run, then one whose last stage raises in its last forward: every gradient the second
+    run touched, the loss function's parameters' too, must be as the first run left it."""
+    import torch
+
+    from hyper_parallel import PipelineStage
+    from hyper_parallel.platform import get_platform
+    from split_hooks_harness import Block, ScaledMSE, data
+
+    p = get_platform()
+    cls, chunks, extra = SCHEDULES[schedule]
+    placement = cls.stage_placement(p.world_size, chunks)
+    num = len(placement)
+    blocks = {s: Block(s) for s, r in placement.items() if r == p.rank}
+    stages = [PipelineStage(blocks[s], s, num) for s in sorted(blocks)]
+    loss_fn = ScaledMSE()
+    sched = cls(stages if len(stages) > 1 else stages[0], 4, loss_fn=loss_fn, **extra)
+    x, y = data(4)
+    target = y if (num - 1) in blocks else None
+    sched.run(x, target=target)
+    params = [q for b in blocks.values() for q in b.parameters()]
+    if target is not None:
+        params += list(loss_fn.parameters())
+        last = blocks[num - 1]
+        forward = last.forward
+
+        def failing(h):  # type: ignore[no-untyped-def]
+            if last.forwards == 3:
+                raise ValueError("injected failure in the last forward")
+            return forward(h)
+
+        last.forward = failing
+        last.forwards = 0
+    before = [q.grad.clone() for q in params]
+    with pytest.raises(Exception):
+        sched.run(x, target=target)
+    return [torch.equal(q.grad, b) for q, b in zip(params, before)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_failed_run_restores_the_loss_parameters_gradients(schedule):
+    results = LocalCluster(2, timeout=60).run(_run_then_fail, schedule)
+    assert all(all(r) for r in results), results
