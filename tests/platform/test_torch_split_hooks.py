@@ -417,3 +417,26 @@ def test_a_node_posthook_at_the_boundary_runs_once_in_dx():
     P.stage_backward_weight(rec)
     assert seen == [(False, True)], seen
     torch.testing.assert_close(dx, leaf.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_multi_grad_hook_across_the_boundary_fires_once_per_step():
+    # docs/zero_bubble.md: torch.autograd.graph.register_multi_grad_hook fires once per engine run
+    # that reaches one of its tensors; over a tensor that depends on the input and one computed
+    # from parameters only it fires in I (with None for the latter) and again in W
+    w1, w2 = _lin()
+    seen: list[tuple[bool, ...]] = []
+
+    def fn(x: Any) -> Any:
+        h = x @ w1
+        w = w2 * 1.0  # computed from a parameter only: the weight side
+        torch.autograd.graph.register_multi_grad_hook((h, w), lambda gs: seen.append(tuple(g is None for g in gs)))
+        return torch.tanh(h) @ w
+
+    x, dy = _rand(5, 4, seed=0), _rand(5, 3, seed=9)
+    fn(x.clone().requires_grad_(True)).backward(dy)
+    assert seen == [(False, False)]
+    seen.clear()
+    rec = P.stage_forward(fn, (x,), {}, [w1, w2], (True,))
+    P.stage_backward_input(rec, (dy,))
+    P.stage_backward_weight(rec)
+    assert seen == [(False, True), (True, False)], seen
