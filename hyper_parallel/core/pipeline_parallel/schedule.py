@@ -374,6 +374,19 @@ class PipelineSchedule:
                 unique.setdefault(id(param), param)
         return list(unique.values())
 
+    def _loss_params(self) -> list[Any]:
+        """Trainable parameters of a ``loss_fn`` module on a rank that computes the loss, not already
+        a stage's: the backward accumulates into them too, so a failed run puts them back as well."""
+        fn = self.loss_fn
+        if fn is None or not any(st.is_last for st in self.stages):
+            return []
+        try:
+            named = self.platform.named_parameters(fn)
+        except AttributeError:  # a plain function: no parameters of its own
+            return []
+        stage = {id(q) for q in self._params()}
+        return list({id(q): q for _, q in named if id(q) not in stage}.values())
+
     def named_parameters(self) -> dict[str, Any]:
         """This rank's trainable parameters by a name unique on the rank: ``stage<index>.<name>``."""
         out: dict[str, Any] = {}
@@ -493,7 +506,7 @@ class PipelineSchedule:
         self._check_target(target, needs_loss=True)
         micro_args, micro_kwargs, targets = self._split(args, kwargs, target)
         lowered = self._lowered(self._training_metadata())
-        grads = RunGradients(p, self._params(), self.keep_grads_on_error,
+        grads = RunGradients(p, self._params() + self._loss_params(), self.keep_grads_on_error,
                              shared_params.non_owner_params(p, self._by_index, self._holders), self._host_grads)
         runtime = self._runtime(micro_args, micro_kwargs, targets, keep_outputs=keep_outputs, forward_only=False)
         try:

@@ -34,14 +34,50 @@ from hyper_parallel.platform.torch.split_backward import (
 
 
 class _Saved:
-    """What the graph keeps for one saved tensor (packed by this module's saved-tensor hook)."""
+    """What the graph keeps for one saved tensor (packed by this module's saved-tensor hook).
 
-    __slots__ = ("tensor", "dx_only", "source", "__weakref__")
+    A saved-tensor hook turns off torch's own in-place check, so the item does it: ``version`` is
+    the tensor's version counter when it was saved, compared when the backward unpacks it. Where
+    a swap or a recompute replaces the tensor (``tensor = ...``), the tensor that leaves is checked
+    then, and what comes back is checked from then on: a recompute's re-run may change what it
+    saved in place exactly as the forward did (a swapped copy is changed by nobody).
+    """
+
+    __slots__ = ("_tensor", "version", "dx_only", "source", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor: torch.Tensor | None = tensor
+        self._tensor: torch.Tensor | None = tensor
+        # int: the version to find at unpack; None: not checked; (saved, found): changed before it left
+        try:
+            self.version: Any = tensor._version
+        except RuntimeError:  # no version counter (inference tensors; torch refuses to save those anyway)
+            self.version = None
         self.dx_only = False  # only the input backward needs it (set by that backward)
         self.source: Any = None  # swap group / recompute region that restores ``tensor`` (platform.activations)
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        return self._tensor
+
+    @tensor.setter
+    def tensor(self, value: torch.Tensor | None) -> None:
+        old, saved = self._tensor, self.version
+        if isinstance(saved, int) and old is not None and old._version != saved:
+            self.version = (saved, old._version)  # the unpack raises, whatever comes back
+        elif not isinstance(saved, tuple):
+            self.version = None if value is None else value._version
+        self._tensor = value
+
+
+def _modified_in_place(t: torch.Tensor, version: Any) -> RuntimeError:
+    saved, found = version if isinstance(version, tuple) else (version, t._version)
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {list(t.shape)} that this stage's forward saved "
+        f"for its backward is at version {found}; expected version {saved} instead: it was changed in place after "
+        "an operation had saved it (e.g. the result of relu_ changed with add_); change a copy, or compute "
+        "out of place"
+    )
 
 
 class _SavedPool:
@@ -64,14 +100,19 @@ class _SavedPool:
         return item
 
     def unpack(self, item: _Saved) -> torch.Tensor:
-        if item.tensor is None and item.source is not None:
-            item.source.materialize(item)  # offloaded (swap) or dropped for a recompute
-        t = item.tensor
+        t = item._tensor
         if t is None:
-            raise RuntimeError("this stage's backward already ran and freed what the forward saved for it; "
-                               "a forward record takes one backward (or one input + one weight backward)")
+            if item.source is not None:
+                item.source.materialize(item)  # offloaded (swap) or dropped for a recompute
+                t = item._tensor
+            if t is None:
+                raise RuntimeError("this stage's backward already ran and freed what the forward saved for it; "
+                                   "a forward record takes one backward (or one input + one weight backward)")
+        version = item.version
+        if version is not None and (version.__class__ is tuple or t._version != version):
+            raise _modified_in_place(t, version)
         if self.dropping and item.dx_only:
-            item.tensor = None
+            item._tensor = None
         return t
 
 
@@ -272,16 +313,6 @@ def stage_backward(record: ForwardRecord, grads: Sequence[Any]) -> tuple[Any, ..
     return _input_grads(state, {id(leaf): leaf.grad for leaf in leaves})
 
 
-def _trainable(params: Sequence[Any]) -> tuple[Any, ...]:
-    seen: set[int] = set()
-    out = []
-    for p in params:
-        if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return tuple(out)
-
-
 def stage_backward_input(record: ForwardRecord, grads: Sequence[Any]) -> tuple[Any, ...]:
     state: _TorchState = record.native
     roots, root_grads = _roots(record, grads)
@@ -293,7 +324,7 @@ def stage_backward_input(record: ForwardRecord, grads: Sequence[Any]) -> tuple[A
         state.rewalk = (roots, root_grads)
         found = run_engine(roots, root_grads, True, leaves, False) if leaves else ()
     else:
-        state.plan = plan = plan_split(gradient_edges(roots), root_grads, leaves, _trainable(record.params))
+        state.plan = plan = plan_split(gradient_edges(roots), root_grads, leaves)
         # free what only dx needs as the pass goes, like a backward that frees the graph
         pool = state.pool
         if pool is None:  # run without the hook: nothing to free early
@@ -314,13 +345,15 @@ def stage_backward_weight(record: ForwardRecord) -> None:
     state: _TorchState = record.native
     state.advance("input_done", "done", "a weight backward")
     plan, rewalk, state.plan, state.rewalk = state.plan, state.rewalk, None, None
-    params = _trainable(record.params)
     if plan is not None:
         kept = [packed for packed in plan.boundary_saved() if isinstance(packed, _Saved)]
         try:
-            plan.run_weight(params)
+            plan.run_weight()
         finally:  # the boundary nodes ran their last time; the rest of the graph freed itself
             for packed in kept:
-                packed.tensor = None
-    elif rewalk is not None and params:
-        run_engine(rewalk[0], rewalk[1], False, params, True)
+                packed._tensor = None
+    elif rewalk is not None:  # every leaf, as the full backward; the inputs' gradients came from dx
+        run_engine(rewalk[0], rewalk[1], False, (), True)
+        for leaf in state.leaves:
+            if leaf is not None:
+                leaf.grad = None

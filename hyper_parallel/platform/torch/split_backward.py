@@ -3,31 +3,36 @@
 Terms, for the autograd graph of one stage forward seen from its outputs:
 
 * the *input side* is every node from which a differentiable stage input can be reached;
-* the *weight side* is every other node from which a trainable parameter can be reached;
+* the *weight side* is every other node from which a leaf that takes a gradient can be reached:
+  the stage's parameters and any other trainable tensor the forward used (a loss function's own
+  parameter, a tensor from outside the module), all of which a full backward reaches too;
 * a *boundary node* is an input-side node with edges into the weight side (the ``mm`` of
   ``x @ W.t()``: ``x`` is on the input side, ``W.t()`` on the weight side); those edges are its
   *weight edges*.
 
 dx pass (:meth:`SplitPlan.run_input`): one engine run from the outputs to the inputs. The engine
 runs only nodes on a path to a target, so no weight-side node runs and each boundary node computes
-only its outputs toward the input side. The same run captures the gradient arriving at every
-boundary node (``GradientEdge`` targets, no Python hooks).
+only its outputs toward the input side. The hooks at a boundary node (tensor hooks on its outputs,
+``retain_grad``, node prehooks) run in this run, once, as in a full backward; a prehook that the
+plan adds after them keeps the gradient the node then receives, every hook applied.
 
-dW pass (:meth:`SplitPlan.run_weight`): every boundary node is called once more on its captured
-gradient, and must now compute only its weight-edge outputs. A backward formula asks the engine
-run it is part of which outputs are wanted (the run's targets); called outside any run it computes
-them all. So the calls are made from inside a tiny engine run whose targets are exactly the weight
-edges: its one node is a custom function whose backward makes the calls. The outputs then go, as
-roots, into one last engine run that takes them through the weight side into ``param.grad``
-(accumulating exactly like a full backward). Nothing walks the input side again.
+dW pass (:meth:`SplitPlan.run_weight`): every boundary node is called once more on that gradient,
+and must now compute only its weight-edge outputs. A direct call runs no hook, so none runs twice.
+A backward formula asks the engine run it is part of which outputs are wanted (the run's targets);
+called outside any run it computes them all. So the calls are made from inside a tiny engine run
+whose targets are exactly the weight edges: its one node is a custom function whose backward makes
+the calls. The outputs then go, as roots, into one last engine run that takes them through the
+weight side into the leaves' ``.grad`` (accumulating exactly like a full backward; the hooks of
+weight-side tensors run there). Nothing walks the input side again.
 
-Boundary nodes defined in Python (custom ``autograd.Function``) cannot be called that way; each is
-run by the engine from its captured gradient, with a posthook that keeps its weight-edge outputs
-and drops the others (a custom function computes what ``needs_input_grad`` says, in both passes).
+Boundary nodes defined in Python (custom ``autograd.Function``) cannot be called that way, and
+need not be: a custom function computes every output its ``needs_input_grad`` asks for, so the dx
+run already computed its weight-edge outputs; a posthook the plan adds keeps them for dW.
 
 The calls depend on engine internals (``Node.__call__`` and the per-run output mask), so
 :func:`direct_calls_work` checks them once on a tiny graph; if they ever misbehave the split falls
-back to walking the graph again for dW (correct, but it recomputes dx).
+back to walking the graph again for dW (correct values, but it recomputes dx and runs the hooks of
+the input side a second time).
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ _logger = logging.getLogger("hyper_parallel")
 
 def run_engine(roots: Sequence[Any], grads: Sequence[Any], keep_graph: bool, targets: Sequence[Any],
                accumulate: bool) -> tuple[Any, ...]:
-    """The autograd engine, called directly: roots and targets are tensors or ``GradientEdge``s."""
+    """The autograd engine, called directly: roots and targets are tensors or ``GradientEdge``s
+    (no targets with ``accumulate``: every leaf reached, as ``Tensor.backward``)."""
     return Variable._execution_engine.run_backward(
         tuple(roots), tuple(grads), keep_graph, False, tuple(targets), True, accumulate_grad=accumulate
     )
@@ -79,9 +85,10 @@ def call_masked(targets: Sequence[GradientEdge], callback: Callable[[], None]) -
 @dataclass
 class _Boundary:
     node: Node
-    n_inputs: int
     weight: tuple[int, ...]  # indices of the weight edges among node.next_functions
     edges: tuple[GradientEdge, ...]  # the weight edges themselves
+    python: bool  # a custom-function node: its hook keeps its weight-edge outputs, not its inputs
+    seen: list[Any]  # what the hook on the node kept when the dx pass ran it
 
 
 @dataclass
@@ -89,9 +96,11 @@ class SplitPlan:
     """Where the dx pass captures gradients and what the dW pass does with them."""
 
     boundary: list[_Boundary]  # parents before children
-    weight_roots: list[tuple[GradientEdge, Any]]  # stage outputs computed from parameters only
+    weight_roots: list[tuple[GradientEdge, Any]]  # stage outputs computed from weight-side leaves only
     dx_only: list[Node]  # input-side nodes that run in dx and never again (see dx_only_saved)
-    captured: list[Any] = field(default_factory=list)  # per boundary node, the gradients at its inputs
+    # per boundary node, what its hook kept in dx: the gradients at its inputs, hooks applied (for
+    # a custom function: its weight-edge outputs); None where the dx pass did not run the node
+    captured: list[Any] = field(default_factory=list)
 
     def boundary_saved(self) -> Iterator[Any]:
         """What the boundary nodes saved for their backward, as packed by saved-tensor hooks
@@ -99,31 +108,28 @@ class SplitPlan:
         return _packed(b.node for b in self.boundary)
 
     def dx_only_saved(self) -> Iterator[Any]:
-        """The same for the nodes that only dx runs: every input-side node but the boundary ones,
-        when all boundary nodes are built-in (a custom-function boundary node is run by the engine
-        for dW, which may pass through input-side nodes again). A custom-function node is never
-        listed: its backward may unpack its saved tensors more than once."""
+        """The same for the nodes that only dx runs: every input-side node but the boundary ones
+        (dW runs no input-side node: it calls the built-in boundary nodes directly). A
+        custom-function node is never listed: its backward may unpack its saved tensors more than
+        once."""
         return _packed(self.dx_only)
 
     def run_input(self, roots: Sequence[Any], root_grads: Sequence[Any], leaves: Sequence[Any]) -> tuple[Any, ...]:
         """Input gradients (``None`` where unreached); keeps the boundary gradients for dW."""
         if not leaves:
             return ()
-        slots = [GradientEdge(b.node, i) for b in self.boundary for i in range(b.n_inputs)]
-        found = run_engine(roots, root_grads, True, tuple(leaves) + tuple(slots), False)
-        at = len(leaves)
-        for b in self.boundary:
-            self.captured.append(found[at:at + b.n_inputs])
-            at += b.n_inputs
-        return tuple(found[: len(leaves)])
+        found = run_engine(roots, root_grads, True, leaves, False)
+        self.captured = [b.seen.pop() if b.seen else None for b in self.boundary]
+        return tuple(found)
 
-    def run_weight(self, params: Sequence[Any]) -> None:
-        """Accumulate the parameter gradients into ``param.grad``; drops everything kept for it."""
+    def run_weight(self) -> None:
+        """Accumulate the weight-side gradients into ``.grad``; drops everything kept for it."""
         edges: list[GradientEdge] = []
         values: list[Any] = []
         try:
-            work = [(b, g) for b, g in zip(self.boundary, self.captured) if any(x is not None for x in g)]
-            native = [(b, g) for b, g in work if callable(b.node)]
+            work = [(b, g) for b, g in zip(self.boundary, self.captured)
+                    if g is not None and any(x is not None for x in g)]
+            native = [(b, g) for b, g in work if not b.python]
             if native:
                 targets = list({e: None for b, _ in native for e in b.edges})
 
@@ -136,49 +142,40 @@ class SplitPlan:
                                 values.append(outs[k])
 
                 call_masked(targets, call_all)
-            for b, grads in work:
-                if not callable(b.node):
-                    _run_python_node(b, grads, edges, values)
+            for b, outs in work:
+                if b.python:
+                    for edge, grad in zip(b.edges, outs):
+                        if grad is not None:
+                            edges.append(edge)
+                            values.append(grad)
             for edge, grad in self.weight_roots:
                 edges.append(edge)
                 values.append(grad)
-            if edges and params:
-                run_engine(edges, values, False, params, True)
+            if edges:
+                run_engine(edges, values, False, (), True)
         finally:
             self.boundary, self.captured, self.weight_roots = [], [], []
 
 
-def _run_python_node(b: _Boundary, grads: Sequence[Any], edges: list[GradientEdge], values: list[Any]) -> None:
-    """A custom-function boundary node: an engine run from it, keeping only its weight outputs."""
+def _keep_weight_outputs(weight: tuple[int, ...], seen: list[Any]) -> Callable[..., None]:
+    """Posthook for a custom-function boundary node: keeps its weight-edge outputs."""
 
-    def keep_weight(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
-        kept: list[Any] = [None] * len(grad_inputs)
-        for k, edge in zip(b.weight, b.edges):
-            kept[k] = grad_inputs[k]
-            if grad_inputs[k] is not None:
-                edges.append(edge)
-                values.append(grad_inputs[k])
-        return tuple(kept)
+    def hook(grad_inputs: tuple[Any, ...], _grad_outputs: tuple[Any, ...]) -> None:
+        seen.append(tuple(grad_inputs[k] for k in weight))
 
-    roots = [(GradientEdge(b.node, i), g) for i, g in enumerate(grads) if g is not None]
-    handle = b.node.register_hook(keep_weight)
-    try:
-        run_engine([e for e, _ in roots], [g for _, g in roots], True, b.edges, False)
-    finally:
-        handle.remove()
+    return hook
 
 
-def plan_split(root_edges: Sequence[GradientEdge], root_grads: Sequence[Any], leaves: Sequence[Any],
-               params: Sequence[Any]) -> SplitPlan:
-    """Walk the graph below ``root_edges`` once and find the boundary nodes."""
+def plan_split(root_edges: Sequence[GradientEdge], root_grads: Sequence[Any], leaves: Sequence[Any]) -> SplitPlan:
+    """Walk the graph below ``root_edges`` once, find the boundary nodes and put on each the hook
+    that keeps what dW needs when the dx pass runs it. ``leaves``: the differentiable inputs;
+    every other leaf that takes a gradient is on the weight side."""
     leaf_ids = {id(t) for t in leaves}
-    param_ids = {id(p) for p in params}
     nexts: dict[Node, Any] = {}
     input_side: set[Node] = set()
     weight_side: set[Node] = set()
     boundary: list[_Boundary] = []
     dx_only: list[Node] = []
-    python_boundary = False
     for root in root_edges:  # post-order walk: a node is classified once all its children are
         if root.node in nexts:
             continue
@@ -197,10 +194,7 @@ def plan_split(root_edges: Sequence[GradientEdge], root_grads: Sequence[Any], le
                 if not nf:
                     var = getattr(node, "variable", None)  # an AccumulateGrad
                     if var is not None:
-                        if id(var) in leaf_ids:
-                            input_side.add(node)
-                        elif id(var) in param_ids:
-                            weight_side.add(node)
+                        (input_side if id(var) in leaf_ids else weight_side).add(node)
                     continue
                 to_input = to_weight = False
                 for child, _ in nf:
@@ -212,16 +206,21 @@ def plan_split(root_edges: Sequence[GradientEdge], root_grads: Sequence[Any], le
                     input_side.add(node)
                     if to_weight:
                         weight = tuple(k for k, (c, _) in enumerate(nf) if c in weight_side)
-                        boundary.append(_Boundary(node, len(node._input_metadata), weight,
-                                                  tuple(GradientEdge(*nf[k]) for k in weight)))
-                        python_boundary = python_boundary or not callable(node)
+                        seen: list[Any] = []
+                        python = not callable(node)
+                        if python:
+                            node.register_hook(_keep_weight_outputs(weight, seen))
+                        else:  # added last: runs after the hooks already there, sees what the node gets
+                            node.register_prehook(seen.append)
+                        boundary.append(_Boundary(node, weight, tuple(GradientEdge(*nf[k]) for k in weight),
+                                                  python, seen))
                     elif callable(node):
                         dx_only.append(node)
                 elif to_weight:
                     weight_side.add(node)
     boundary.reverse()
     weight_roots = [(edge, grad) for edge, grad in zip(root_edges, root_grads) if edge.node in weight_side]
-    return SplitPlan(boundary, weight_roots, [] if python_boundary else dx_only)
+    return SplitPlan(boundary, weight_roots, dx_only)
 
 
 def _packed(nodes: Iterable[Node]) -> Iterator[Any]:
@@ -271,7 +270,7 @@ def _self_test() -> str | None:
     w = torch.tensor([[3.0], [4.0]], requires_grad=True)
     with torch.enable_grad():
         y = x @ w
-    plan = plan_split(gradient_edges([y]), [torch.ones(1, 1)], [x], [w])
+    plan = plan_split(gradient_edges([y]), [torch.ones(1, 1)], [x])
     if len(plan.boundary) != 1:
         return f"found {len(plan.boundary)} boundary nodes in x @ w, expected 1"
     (dx,) = plan.run_input([y], [torch.ones(1, 1)], [x])
