@@ -40,12 +40,14 @@ entry.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from .ir import DataKey, MetaStep, Schedule, consumer_stage, consumes, message_key, produces
 
 MODELS = ("eager", "stream")
 Clock = list[int]
+_NO_CLOCK: Clock = []  # groups' clocks when the run does not track them (never read then)
 
 
 @dataclass(eq=False)
@@ -97,9 +99,7 @@ class JobOutcome:
 
 def _max_into(target: Clock, other: Clock | None) -> None:
     if other is not None:
-        for k, value in enumerate(other):
-            if value > target[k]:
-                target[k] = value
+        target[:] = map(max, target, other)  # in C: a clock has one entry per rank, merged per message
 
 
 class JobModel:
@@ -138,7 +138,8 @@ class JobModel:
         self.recvs: dict[tuple[int, DataKey], _Op] = {}
         self.made: dict[int, set[DataKey]] = {rank: set() for rank in self.ranks}
         self.made_anywhere: set[DataKey] = set()
-        self.waits: dict[int, str] = {}
+        self.waits: dict[int, str | tuple] = {}  # formatted once the run ended (``_wait_text``)
+        self.done_upto = dict.fromkeys(self.ranks, 0)  # groups before this index of the queue all completed
         self.force = force_posts and self.stream
         self.forced: list[tuple[int, MetaStep, int]] = []
         self.preposted: set[tuple[int, DataKey]] = set()
@@ -157,7 +158,7 @@ class JobModel:
         for rank in self.ranks:
             if self.cursor[rank] < len(self.steps[rank]) or not self._all_done(rank):
                 index = min(self.cursor[rank], len(self.steps[rank]) - 1)
-                stuck[rank] = (index, self.waits.get(rank, "its sends to complete"))
+                stuck[rank] = (index, self._wait_text(self.waits.get(rank, "its sends to complete")))
         pending: dict[int, list[MetaStep]] = {}
         heads: dict[int, int] = {}
         for rank in self.ranks:
@@ -192,9 +193,8 @@ class JobModel:
         consumed: list[_Op] = []
         for part in step.parts:
             for key in consumes(part, self.num_stages):
-                wait = self._missing(rank, key, consumed)
-                if wait is not None:
-                    self.waits[rank] = wait
+                if not self._available(rank, key, consumed):
+                    self.waits[rank] = (rank, key)
                     return False
         for op in consumed:
             self._merge(rank, op)
@@ -207,18 +207,29 @@ class JobModel:
         self.cursor[rank] += 1
         return True
 
-    def _missing(self, rank: int, key: DataKey, consumed: list[_Op]) -> str | None:
+    def _available(self, rank: int, key: DataKey, consumed: list[_Op]) -> bool:
         owner = self.stage_to_rank[key[1]]
         if owner == rank or not self.lowered:
-            if key in (self.made[rank] if owner == rank else self.made_anywhere):
-                return None
-            return f"{producer_text(key)} on rank {owner}"
+            return key in (self.made[rank] if owner == rank else self.made_anywhere)
         op = self.recvs.get((rank, key))
         if op is None or not op.done:
-            state = "a completed" if op is not None else "a"
-            return f"{state} receive of {producer_text(key)} from rank {owner}"
+            return False
         consumed.append(op)
-        return None
+        return True
+
+    def _wait_text(self, wait: str | tuple) -> str:
+        """What a stuck rank waits for, from the final state of the run (the last attempt of every
+        stuck rank saw that state: the run ends after a round in which no rank moved)."""
+        if isinstance(wait, str):
+            return wait
+        if len(wait) == 1:
+            return self._op_wait(wait[0])
+        rank, key = wait
+        owner = self.stage_to_rank[key[1]]
+        if owner == rank or not self.lowered:
+            return f"{producer_text(key)} on rank {owner}"
+        state = "a completed" if self.recvs.get((rank, key)) is not None else "a"
+        return f"{state} receive of {producer_text(key)} from rank {owner}"
 
     # ------------------------------------------------------------------ communication
     def _communicate(self, rank: int, index: int, step: MetaStep) -> bool:
@@ -228,7 +239,7 @@ class JobModel:
         blocking = self.blocking.get(rank, [])
         for op in blocking:
             if not op.done:
-                self.waits[rank] = self._op_wait(op)
+                self.waits[rank] = (op,)
                 return False
         for op in blocking:
             self._merge(rank, op)
@@ -238,7 +249,7 @@ class JobModel:
         return True
 
     def _issue(self, rank: int, index: int, step: MetaStep) -> None:
-        group = _Group(rank, index, list(self.clock[rank]))
+        group = _Group(rank, index, list(self.clock[rank]) if self.track else _NO_CLOCK)
         for part in step.comm_parts:
             key = message_key(part)
             if key is None:
@@ -267,9 +278,18 @@ class JobModel:
         """Stuck: move receives that active sends wait for into their rank's first unfinished group."""
         moved = False
         for rank in self.ranks:
-            for group in list(self.queue[rank]):
-                if not group.active or not group.remaining:
+            # (stream) groups complete in order and only the first unfinished one is active: the
+            # groups before ``head`` completed, and once an unfinished group is inactive so are all
+            # after it (also after a post below completed some and activated the next)
+            queue = self.queue[rank]
+            k = self.head[rank]
+            while k < len(queue):
+                group = queue[k]
+                k += 1
+                if not group.remaining:
                     continue
+                if not group.active:
+                    break
                 for op in list(group.ops):
                     if op.is_send and not op.done:
                         moved |= self._prepost(op)
@@ -277,7 +297,11 @@ class JobModel:
 
     def _prepost(self, send: _Op) -> bool:
         peer = self.stage_to_rank[consumer_stage(send.key)]
-        head = next((g for g in self.queue.get(peer, ()) if g.remaining), None)  # a rank may have no list
+        queue = self.queue.get(peer, ())  # a rank may have no list
+        k = self.head.get(peer, 0)  # the groups before it completed
+        while k < len(queue) and not queue[k].remaining:
+            k += 1
+        head = queue[k] if k < len(queue) else None
         if head is None or not head.active:
             return False
         recv = self.recvs.get((peer, send.key))
@@ -344,7 +368,7 @@ class JobModel:
             if previous is None and self.head[r] > 0:
                 previous = queue[self.head[r] - 1]
             group.active = True
-            group.active_clock = list(group.issue_clock)
+            group.active_clock = list(group.issue_clock) if self.track else _NO_CLOCK
             if self.track and previous is not None:
                 _max_into(group.active_clock, previous.done_clock)
             for op in group.ops:
@@ -375,7 +399,13 @@ class JobModel:
         return group.remaining == 0
 
     def _all_done(self, rank: int) -> bool:
-        return all(group.remaining == 0 for group in self.queue[rank])
+        # a completed group stays completed (a receive moved by ``force_posts`` joins an unfinished one)
+        queue = self.queue[rank]
+        k = self.done_upto[rank]
+        while k < len(queue) and queue[k].remaining == 0:
+            k += 1
+        self.done_upto[rank] = k
+        return k == len(queue)
 
     def _merge(self, rank: int, op: _Op) -> None:
         if self.track:
@@ -405,6 +435,38 @@ def producer_text(key: DataKey) -> str:
     if kind == "M":
         return f"the shapes of F.s{stage}.m{micro}"
     return f"B.s{stage}.m{micro} or I.s{stage}.m{micro}"
+
+
+_PROOFS: list[tuple[dict[int, tuple[MetaStep, ...]], dict[int, int], str]] = []
+_PROOFS_KEPT = 2
+_PROOFS_LOCK = threading.Lock()
+
+
+def note_finished(schedule: Schedule, stage_to_rank: dict[int, int], model: str) -> None:
+    """Remember that a run of ``model`` over these very lists finished (lowering's last run), so
+    that validation of the same lists need not run the job again (see ``known_to_finish``)."""
+    entry = ({rank: tuple(steps) for rank, steps in schedule.items()}, dict(stage_to_rank), model)
+    with _PROOFS_LOCK:
+        _PROOFS.append(entry)
+        del _PROOFS[:-_PROOFS_KEPT]
+
+
+def known_to_finish(schedule: Schedule, stage_to_rank: dict[int, int], model: str) -> bool:
+    """Whether a remembered run finished on lists equal to these, in ``model`` or in ``"stream"``.
+
+    The job model is deterministic and reads nothing but the lists and the placement, so equal
+    lists give the same outcome. A finished ``"stream"`` run also proves ``"eager"``: every
+    condition under which the stream model lets a step proceed or an operation complete (both
+    groups active, hence both issued) implies the eager condition (the send issued), and no
+    condition is ever withdrawn once it holds, so the eager run gets at least as far."""
+    with _PROOFS_LOCK:
+        proofs = list(_PROOFS)
+    for lists, placement, proven in reversed(proofs):
+        if proven not in (model, "stream") or placement != stage_to_rank or lists.keys() != schedule.keys():
+            continue
+        if all(lists[rank] == tuple(steps) for rank, steps in schedule.items()):  # identical steps: C speed
+            return True
+    return False
 
 
 def run_job(
