@@ -50,7 +50,7 @@ Clock = list[int]
 _NO_CLOCK: Clock = []  # groups' clocks when the run does not track them (never read then)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # millions made and read per planning
 class _Op:
     key: DataKey
     is_send: bool
@@ -60,7 +60,7 @@ class _Op:
     done_clock: Clock | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # millions made and read per planning
 class _Group:
     rank: int
     index: int  # position of the step that issued it
@@ -171,6 +171,9 @@ class JobModel:
         clocks = {}
         if self.track:
             clocks = {key: tuple(op.group.active_clock or op.group.issue_clock) for key, op in self.sends.items()}
+        for table in (self.sends, self.recvs):  # an operation and its group refer to each other: let them go
+            for op in table.values():
+                op.group.ops = []
         return JobOutcome(stuck, pending, heads, clocks, list(self.ranks), self.forced)
 
     def _advance(self, rank: int) -> bool:

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .ir import DataKey, MetaStep, MetaStepType, Schedule, consumer_stage, consumes, message_key, produces
+from .gc_pause import paused_gc
 from .job_model import note_finished, run_job
 
 TRANSPORTS = ("plain", "batch")
@@ -80,7 +81,7 @@ def counterpart(op: MetaStep) -> MetaStep:
     return MetaStep(op.micro_index, kind, op.stage_index + shift)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Recv:
     peer: int
     natural_gap: int
@@ -113,7 +114,7 @@ class _RankPlan:
     eager: bool = False  # sends never wait for their receive (the plain transport): always first
     fifo: _FifoPlan | None = None  # set once by _number_fifo
     # gap -> (what its steps depend on, the steps) from the last assembly: lowering assembles a
-    # rank many times and moves few receives in between (cleared when ``depends_on`` changes)
+    # rank many times and moves few receives in between
     assembled: dict[int, tuple[tuple, list[MetaStep]]] = field(default_factory=dict)
 
 
@@ -126,6 +127,12 @@ def lower(
     prefetch: bool = False,
 ) -> dict[int, list[MetaStep]]:
     """Insert the send/recv steps (see the module docstring); idle slots are dropped."""
+    with paused_gc():
+        return _lower(compute, stage_to_rank, transport, metadata, prefetch)
+
+
+def _lower(compute: Schedule, stage_to_rank: dict[int, int], transport: str, metadata: str,
+           prefetch: bool) -> dict[int, list[MetaStep]]:
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {transport!r}; valid transports: {', '.join(TRANSPORTS)}")
     if metadata not in METADATA:
@@ -253,7 +260,6 @@ def _use_dependencies(
         return  # validation reports the deadlock of the schedule itself
     position = {rank: k for k, rank in enumerate(outcome.ranks)}
     for rank, plan in plans.items():
-        plan.assembled.clear()
         for recv in plan.recvs:
             if data_only and recv.step.meta_type.is_meta:
                 continue
@@ -555,8 +561,8 @@ def _assemble(plan: _RankPlan, emit: _Emit) -> list[MetaStep]:
     no_recvs: list[_Recv] = []
     for gap in range(len(plan.items) + 1):
         here = recvs_at.get(gap, no_recvs)
-        # everything _gap_slots reads that may change between assemblies (depends_on: see the cache)
-        key = (emit, gap in plan.sends_first, tuple((id(r), r.before_meta) for r in here))
+        # everything _gap_slots reads that may change between assemblies
+        key = (emit, gap in plan.sends_first, tuple((id(r), r.before_meta, r.depends_on) for r in here))
         cached = cache.get(gap)
         if cached is not None and cached[0] == key:
             out += cached[1]
