@@ -45,6 +45,9 @@ SCHEDULES = [
     (ScheduleDualPipeV, (2,), False),
 ]
 RANKS = (1, 2, 3, 4, 6)
+# (forward_only, prefetch, metadata): the defaults with each metadata mode, no prefetch, eval
+OPTIONS = [(False, True, "first"), (False, True, "none"), (False, True, "all"), (False, False, "first"),
+           (False, False, "all"), (True, True, "first"), (True, False, "none")]
 
 
 def _configs(cls, chunks):
@@ -68,14 +71,12 @@ def test_lowered_lists_equal_the_oracle(cls, chunks, fuse, transport):
     checked = 0
     for p, v, m in _configs(cls, chunks):
         compute, placement = _compute(cls, p, v, m, fuse)
-        for forward_only in (False, True):
+        for forward_only, prefetch, metadata in OPTIONS:
             lists = _forwards_only(compute) if forward_only else compute
-            for prefetch in (True, False):
-                for metadata in ("first", "none", "all"):
-                    got = lower(lists, placement, transport, metadata=metadata, prefetch=prefetch)
-                    want = _lowering_oracle.lower(lists, placement, transport, metadata=metadata, prefetch=prefetch)
-                    assert got == want, (cls.__name__, p, v, m, transport, metadata, prefetch, forward_only)
-                    checked += 1
+            got = lower(lists, placement, transport, metadata=metadata, prefetch=prefetch)
+            want = _lowering_oracle.lower(lists, placement, transport, metadata=metadata, prefetch=prefetch)
+            assert got == want, (cls.__name__, p, v, m, transport, metadata, prefetch, forward_only)
+            checked += 1
     assert checked >= 60
 
 
