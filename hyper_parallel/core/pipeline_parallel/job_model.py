@@ -46,8 +46,10 @@ from dataclasses import dataclass, field
 from .ir import DataKey, MetaStep, Schedule, consumer_stage, consumes, message_key, produces
 
 MODELS = ("eager", "stream")
-Clock = list[int]
-_NO_CLOCK: Clock = []  # groups' clocks when the run does not track them (never read then)
+Clock = tuple[int, ...]
+"""A vector clock, never changed once made: groups and operations share them (a run of a large job
+holds millions, one entry per rank each); only a rank's own running clock is a list."""
+_NO_CLOCK: Clock = ()  # groups' clocks when the run does not track them (never read then)
 
 
 @dataclass(eq=False, slots=True)  # millions made and read per planning
@@ -97,9 +99,14 @@ class JobOutcome:
         return not self.stuck
 
 
-def _max_into(target: Clock, other: Clock | None) -> None:
+def _max_into(target: list[int], other: Clock | None) -> None:
     if other is not None:
         target[:] = map(max, target, other)  # in C: a clock has one entry per rank, merged per message
+
+
+def _joined(clock: Clock, other: Clock | None) -> Clock:
+    """The entry-wise maximum, ``clock`` itself when there is nothing to join."""
+    return clock if other is None else tuple(map(max, clock, other))
 
 
 class JobModel:
@@ -129,7 +136,8 @@ class JobModel:
         self.track = track_clocks
         self.cursor = dict.fromkeys(self.ranks, 0)
         self.computed = dict.fromkeys(self.ranks, -1)  # index of the last compute step run
-        self.clock: dict[int, Clock] = {rank: [-1] * len(self.ranks) for rank in self.ranks}
+        self.clock: dict[int, list[int]] = {rank: [-1] * len(self.ranks) for rank in self.ranks}
+        self.snapshot: dict[int, Clock | None] = dict.fromkeys(self.ranks)  # tuple(clock) until it changes
         self.issued: dict[int, int] = {}  # rank -> index of a comm step issued but still waiting
         self.blocking: dict[int, list[_Op]] = {}
         self.queue: dict[int, list[_Group]] = {rank: [] for rank in self.ranks}
@@ -170,7 +178,7 @@ class JobModel:
                 heads[rank] = unfinished.index
         clocks = {}
         if self.track:
-            clocks = {key: tuple(op.group.active_clock or op.group.issue_clock) for key, op in self.sends.items()}
+            clocks = {key: op.group.active_clock or op.group.issue_clock for key, op in self.sends.items()}
         for table in (self.sends, self.recvs):  # an operation and its group refer to each other: let them go
             for op in table.values():
                 op.group.ops = []
@@ -207,6 +215,7 @@ class JobModel:
                 self.made_anywhere.add(key)
         self.computed[rank] += 1
         self.clock[rank][self.position[rank]] = self.computed[rank]
+        self.snapshot[rank] = None
         self.cursor[rank] += 1
         return True
 
@@ -252,7 +261,12 @@ class JobModel:
         return True
 
     def _issue(self, rank: int, index: int, step: MetaStep) -> None:
-        group = _Group(rank, index, list(self.clock[rank]) if self.track else _NO_CLOCK)
+        clock = _NO_CLOCK
+        if self.track:
+            clock = self.snapshot[rank]
+            if clock is None:
+                clock = self.snapshot[rank] = tuple(self.clock[rank])
+        group = _Group(rank, index, clock)
         for part in step.comm_parts:
             key = message_key(part)
             if key is None:
@@ -327,9 +341,7 @@ class JobModel:
         head.ops.append(recv)
         head.remaining += 1
         self.forced.append((peer, recv.step, head.index))
-        both = list(head.active_clock or head.issue_clock) if self.track else None
-        if both is not None:
-            _max_into(both, send.group.active_clock)
+        both = _joined(head.active_clock or head.issue_clock, send.group.active_clock) if self.track else None
         for finished in (send, recv):
             if self._complete(finished, both):
                 self._activate_stream(finished.group.rank)
@@ -371,15 +383,13 @@ class JobModel:
             if previous is None and self.head[r] > 0:
                 previous = queue[self.head[r] - 1]
             group.active = True
-            group.active_clock = list(group.issue_clock) if self.track else _NO_CLOCK
+            group.active_clock = group.issue_clock
             if self.track and previous is not None:
-                _max_into(group.active_clock, previous.done_clock)
+                group.active_clock = _joined(group.issue_clock, previous.done_clock)
             for op in group.ops:
                 other = self._counterpart(op)
                 if other is not None and other.group.active and not op.done:
-                    both = list(group.active_clock) if self.track else None
-                    if both is not None:
-                        _max_into(both, other.group.active_clock)
+                    both = _joined(group.active_clock, other.group.active_clock) if self.track else None
                     for finished in (op, other):
                         if self._complete(finished, both):
                             pending.append(finished.group.rank)
@@ -395,10 +405,7 @@ class JobModel:
         group = op.group
         group.remaining -= 1
         if self.track and clock is not None:
-            if group.done_clock is None:
-                group.done_clock = list(clock)
-            else:
-                _max_into(group.done_clock, clock)
+            group.done_clock = clock if group.done_clock is None else _joined(group.done_clock, clock)
         return group.remaining == 0
 
     def _all_done(self, rank: int) -> bool:
@@ -412,7 +419,9 @@ class JobModel:
 
     def _merge(self, rank: int, op: _Op) -> None:
         if self.track:
-            _max_into(self.clock[rank], op.done_clock)
+            if op.done_clock is not None:
+                _max_into(self.clock[rank], op.done_clock)
+                self.snapshot[rank] = None
 
     def _op_wait(self, op: _Op) -> str:
         other = self._counterpart(op)
