@@ -126,3 +126,36 @@ def test_threads_planning_together_leave_the_collector_on():
     release.set()
     thread.join(30)
     assert gc.isenabled()
+
+
+def test_the_outside_contract_of_planning():
+    """Issue 22, item 6: what outside checks import and call keeps its form."""
+    import inspect
+
+    import hyper_parallel.core.pipeline_parallel as pp
+    from hyper_parallel.core.pipeline_parallel import lower as public_lower
+    from hyper_parallel.core.pipeline_parallel import validate_lowered as public_validate
+
+    assert public_lower is lower and public_validate is validate_lowered
+    assert str(inspect.signature(lower)) == (
+        "(compute: 'Schedule', stage_to_rank: 'dict[int, int]', transport: 'str' = 'plain', *, "
+        "metadata: 'str' = 'none', prefetch: 'bool' = False) -> 'dict[int, list[MetaStep]]'")
+    assert list(inspect.signature(validate_lowered).parameters) == [
+        "lowered", "stage_to_rank", "num_microbatches", "transport", "forward_only", "engine"]
+    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+                 "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
+                 "ScheduleMPipeTranspose"):
+        cls = getattr(pp, name)
+        assert list(inspect.signature(cls.generate).parameters) == ["num_ranks", "num_chunks", "num_microbatches"]
+        assert list(inspect.signature(cls.stage_placement).parameters) == ["num_ranks", "num_chunks"]
+
+
+@pytest.mark.parametrize("args, error, text", [
+    ((0, 1, 4), ValueError, "num_ranks must be an int >= 1, got 0"),
+    ((2, 1, 0), ValueError, "Schedule1F1B with 2 ranks needs at least 1 micro-batches, got 0"),
+    ((2, 1, 2.0), ValueError, "needs at least 1 micro-batches, got 2.0"),
+    (("2", 1, 4), ValueError, "num_ranks must be an int >= 1, got '2'"),
+])
+def test_bad_sizes_are_still_refused_with_the_same_messages(args, error, text):
+    with pytest.raises(error, match=text):
+        Schedule1F1B.generate(*args)
