@@ -4,7 +4,8 @@ Sections (``--only`` picks some): ``efficiency`` (sleep-cost stages, every sched
 (runtime cost per lowered step), ``p2p`` (exposed transfer time of 4 MiB activations),
 ``memory`` (counted peak live activations per rank), ``gpt`` (the demo model, tokens/s),
 ``ms`` (MindSpore PyNative vs ms.jit stages on LocalCluster, turn-taking cost), ``profile``
-(where one step's time goes). The gloo sections of one process count share one job.
+(where one step's time goes), ``planning`` (what one rank pays to build a schedule at p <= 64, v <= 4,
+m <= 1024: ``planning_scale.py``). The gloo sections of one process count share one job.
 Writes ``results.md`` and ``results.json`` into ``--out`` (default: this folder).
 
     .venv/bin/python benchmarks/bench.py [--smoke] [--only efficiency,gpt] [--out DIR]
@@ -28,7 +29,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import bench_report  # noqa: E402
 from bench_common import run_job  # noqa: E402
 
-SECTIONS = ("efficiency", "overhead", "p2p", "memory", "gpt", "ms", "profile")
+SECTIONS = ("efficiency", "overhead", "p2p", "memory", "gpt", "ms", "profile", "planning")
 FULL = {
     "efficiency": dict(m=16, rounds=7, scale=1.0),
     "overhead": dict(m=64, rounds=9),
@@ -37,6 +38,7 @@ FULL = {
     "gpt": dict(m=8, rounds=21),
     "ms": dict(rounds=2, steps=1, small=False),
     "profile": dict(m=64, steps=3),
+    "planning": dict(rounds=1, smoke=False),
 }
 SMOKE = {
     "efficiency": dict(m=8, rounds=1, scale=0.1),
@@ -46,6 +48,7 @@ SMOKE = {
     "gpt": dict(m=4, rounds=1),
     "ms": dict(rounds=1, steps=1, small=True),
     "profile": dict(m=8, steps=1),
+    "planning": dict(rounds=1, smoke=True),
 }
 
 
@@ -88,7 +91,7 @@ def run(sections: list[str], smoke: bool) -> dict[str, Any]:
 
     params = SMOKE if smoke else FULL
     results: dict[str, Any] = {"smoke": smoke, "params": {s: params[s] for s in sections}, "seconds": {}}
-    gloo4 = [s for s in sections if s not in ("ms",)]
+    gloo4 = [s for s in sections if s not in ("ms", "planning")]
     if gloo4:
         print(f"gloo, 4 processes: {', '.join(gloo4)}", flush=True)
         per_rank = run_job("bench", "suite_job", 4, dict(sections=gloo4, params=params), timeout=900)
@@ -120,6 +123,16 @@ def run(sections: list[str], smoke: bool) -> dict[str, Any]:
         kw = params["ms"]
         results["ms"] = bench_ms.summarize(bench_ms.measure(kw["rounds"], kw["steps"], kw["small"]))
         results["seconds"]["ms"] = time.perf_counter() - start
+    if "planning" in sections:
+        import planning_scale
+
+        print("planning at scale, one process per build", flush=True)
+        start = time.perf_counter()
+        kw = params["planning"]
+        rows, growth = ((planning_scale.SMOKE_ROWS, planning_scale.SMOKE_GROWTH) if kw["smoke"]
+                        else (planning_scale.FULL_ROWS, planning_scale.FULL_GROWTH))
+        results["planning"] = planning_scale.measure(rows, growth, kw["rounds"], 60 if kw["smoke"] else 600)
+        results["seconds"]["planning"] = time.perf_counter() - start
     return results
 
 

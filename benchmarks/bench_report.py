@@ -9,6 +9,7 @@ TARGETS = {
     "overhead": "ours / torch per lowered step <= 0.5",
     "memory": "ours saved = theory and ours total <= torch's",
     "gpt": "tokens/s ours / torch >= 1.0",
+    "planning": "ours <= max(torch, 1 s) per rank, time at 2m <= 2.2 x time at m, peak < 1 GiB",
 }
 TITLES = {
     "efficiency": "1. Schedule efficiency (sleep-cost stages, 4 gloo processes)",
@@ -18,6 +19,7 @@ TITLES = {
     "gpt": "5. Tiny GPT (the demo model), tokens/s",
     "ms": "6. MindSpore on LocalCluster",
     "profile": "7. Profile of one step (rank 1, cProfile tottime per step)",
+    "planning": "8. Planning at scale (one rank's schedule construction, ours vs torch)",
 }
 
 
@@ -36,6 +38,10 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
 def _section(name: str, res: Any, params: dict[str, Any]) -> list[str]:
     p = params.get(name, {})
     out = [f"## {TITLES[name]}", ""]
+    if name == "planning":
+        import planning_scale
+
+        out += planning_scale.lines(res, p.get("smoke", False))[2:]
     if name == "efficiency":
         out += [f"m={p['m']}; per rank F={10 * p['scale']:g} ms, B={20 * p['scale']:g} ms (I=W={10 * p['scale']:g} ms "
                 f"for the split-backward schedules), a rank's v chunks share it; median of {p['rounds']} alternating "

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "bench.py")
-SECTIONS = ("efficiency", "overhead", "p2p", "memory", "gpt", "ms", "profile")
+SECTIONS = ("efficiency", "overhead", "p2p", "memory", "gpt", "ms", "profile", "planning")
 SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
              "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
@@ -42,8 +42,11 @@ def test_smoke_bench_writes_every_section(tmp_path):
         (n, s) for n in (2, 4) for s in ("Schedule1F1B", "ScheduleInterleaved1F1B")}
     assert len(results["ms"]) == 4
     assert [r["category"] for r in results["profile"]["rows"]][:3] == ["library Python", "metadata", "waits"]
+    assert [r["schedule"] for r in results["planning"]["rows"]] == [
+        "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleDualPipeV"]
+    assert all(r[t]["seconds"] is not None for r in results["planning"]["rows"] for t in ("plain", "batch"))
     for title in ("Schedule efficiency", "Runtime overhead", "Exposed P2P", "Peak live activations", "Tiny GPT",
-                  "MindSpore", "Profile"):
+                  "MindSpore", "Profile", "Planning at scale"):
         assert title in text, f"results.md lacks the {title} table"
     for name in SCHEDULES:
         assert f"| {name} |" in text
@@ -54,6 +57,8 @@ def test_smoke_bench_writes_every_section(tmp_path):
     ("saved_pool_cost.py", ["--rounds", "1"], ["| 2 | ", "| 4 | "]),
     ("handover_cost.py", ["--steps", "2", "--m", "4", "--trips", "3"],
      ["| send, receive posted | 0 |", "| wait, data arrived | 1 |", "| ours | ", "| torch | "]),
+    ("planning_scale.py", ["--smoke"], ["| Schedule1F1B | 2 | 1 | 4 | ", "| ScheduleDualPipeV | 2 | 2 | 8 | - | ",
+                                        "| Schedule1F1B | 2 | 1 | 4 -> 8 | "]),
 ])
 def test_on_demand_benchmarks_write_their_tables(tmp_path, script, args, rows):
     out = tmp_path / "table.md"

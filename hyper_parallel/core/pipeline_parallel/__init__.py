@@ -1,6 +1,7 @@
 """Pipeline parallelism: IR, schedule generators, lowering, validation, simulation, runtime."""
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.lowering import lower
 from hyper_parallel.core.pipeline_parallel.microbatch import BatchDimSpec
 from hyper_parallel.core.pipeline_parallel.mpipe import ScheduleMPipeTranspose
 from hyper_parallel.core.pipeline_parallel.runtime import PeerError, StageError
@@ -18,7 +19,7 @@ from hyper_parallel.core.pipeline_parallel.schedule_csv import (
     save_schedule_csv,
 )
 from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
-from hyper_parallel.core.pipeline_parallel.validate import ScheduleError
+from hyper_parallel.core.pipeline_parallel.validate import ScheduleError, validate_lowered
 from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import (
     ScheduleDualPipeV,
     ScheduleInterleavedZeroBubble,
@@ -44,6 +45,8 @@ __all__ = [
     "ScheduleZBVZeroBubble",
     "format_schedule_csv",
     "load_schedule_csv",
+    "lower",
     "parse_schedule_csv",
     "save_schedule_csv",
+    "validate_lowered",
 ]

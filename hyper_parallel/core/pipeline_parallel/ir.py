@@ -136,8 +136,11 @@ class MetaStep:
     def __post_init__(self) -> None:
         if not isinstance(self.meta_type, MetaStepType):
             raise TypeError(f"MetaStep.meta_type must be a MetaStepType, got {self.meta_type!r}")
-        _check_index("micro_index", self.micro_index)
-        _check_index("stage_index", self.stage_index)
+        micro, stage = self.micro_index, self.stage_index
+        if not (micro is None or type(micro) is int):  # the common case without a call: millions are made
+            _check_index("micro_index", micro)
+        if not (stage is None or type(stage) is int):
+            _check_index("stage_index", stage)
         if self.sub_steps is not None:
             subs = tuple(self.sub_steps)
             for sub in subs:

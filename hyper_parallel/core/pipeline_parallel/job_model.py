@@ -40,15 +40,19 @@ entry.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from .ir import DataKey, MetaStep, Schedule, consumer_stage, consumes, message_key, produces
 
 MODELS = ("eager", "stream")
-Clock = list[int]
+Clock = tuple[int, ...]
+"""A vector clock, never changed once made: groups and operations share them (a run of a large job
+holds millions, one entry per rank each); only a rank's own running clock is a list."""
+_NO_CLOCK: Clock = ()  # groups' clocks when the run does not track them (never read then)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # millions made and read per planning
 class _Op:
     key: DataKey
     is_send: bool
@@ -58,7 +62,7 @@ class _Op:
     done_clock: Clock | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # millions made and read per planning
 class _Group:
     rank: int
     index: int  # position of the step that issued it
@@ -95,11 +99,14 @@ class JobOutcome:
         return not self.stuck
 
 
-def _max_into(target: Clock, other: Clock | None) -> None:
+def _max_into(target: list[int], other: Clock | None) -> None:
     if other is not None:
-        for k, value in enumerate(other):
-            if value > target[k]:
-                target[k] = value
+        target[:] = map(max, target, other)  # in C: a clock has one entry per rank, merged per message
+
+
+def _joined(clock: Clock, other: Clock | None) -> Clock:
+    """The entry-wise maximum, ``clock`` itself when there is nothing to join."""
+    return clock if other is None else tuple(map(max, clock, other))
 
 
 class JobModel:
@@ -129,7 +136,8 @@ class JobModel:
         self.track = track_clocks
         self.cursor = dict.fromkeys(self.ranks, 0)
         self.computed = dict.fromkeys(self.ranks, -1)  # index of the last compute step run
-        self.clock: dict[int, Clock] = {rank: [-1] * len(self.ranks) for rank in self.ranks}
+        self.clock: dict[int, list[int]] = {rank: [-1] * len(self.ranks) for rank in self.ranks}
+        self.snapshot: dict[int, Clock | None] = dict.fromkeys(self.ranks)  # tuple(clock) until it changes
         self.issued: dict[int, int] = {}  # rank -> index of a comm step issued but still waiting
         self.blocking: dict[int, list[_Op]] = {}
         self.queue: dict[int, list[_Group]] = {rank: [] for rank in self.ranks}
@@ -138,7 +146,8 @@ class JobModel:
         self.recvs: dict[tuple[int, DataKey], _Op] = {}
         self.made: dict[int, set[DataKey]] = {rank: set() for rank in self.ranks}
         self.made_anywhere: set[DataKey] = set()
-        self.waits: dict[int, str] = {}
+        self.waits: dict[int, str | tuple] = {}  # formatted once the run ended (``_wait_text``)
+        self.done_upto = dict.fromkeys(self.ranks, 0)  # groups before this index of the queue all completed
         self.force = force_posts and self.stream
         self.forced: list[tuple[int, MetaStep, int]] = []
         self.preposted: set[tuple[int, DataKey]] = set()
@@ -157,7 +166,7 @@ class JobModel:
         for rank in self.ranks:
             if self.cursor[rank] < len(self.steps[rank]) or not self._all_done(rank):
                 index = min(self.cursor[rank], len(self.steps[rank]) - 1)
-                stuck[rank] = (index, self.waits.get(rank, "its sends to complete"))
+                stuck[rank] = (index, self._wait_text(self.waits.get(rank, "its sends to complete")))
         pending: dict[int, list[MetaStep]] = {}
         heads: dict[int, int] = {}
         for rank in self.ranks:
@@ -169,7 +178,10 @@ class JobModel:
                 heads[rank] = unfinished.index
         clocks = {}
         if self.track:
-            clocks = {key: tuple(op.group.active_clock or op.group.issue_clock) for key, op in self.sends.items()}
+            clocks = {key: op.group.active_clock or op.group.issue_clock for key, op in self.sends.items()}
+        for table in (self.sends, self.recvs):  # an operation and its group refer to each other: let them go
+            for op in table.values():
+                op.group.ops = []
         return JobOutcome(stuck, pending, heads, clocks, list(self.ranks), self.forced)
 
     def _advance(self, rank: int) -> bool:
@@ -192,9 +204,8 @@ class JobModel:
         consumed: list[_Op] = []
         for part in step.parts:
             for key in consumes(part, self.num_stages):
-                wait = self._missing(rank, key, consumed)
-                if wait is not None:
-                    self.waits[rank] = wait
+                if not self._available(rank, key, consumed):
+                    self.waits[rank] = (rank, key)
                     return False
         for op in consumed:
             self._merge(rank, op)
@@ -204,21 +215,33 @@ class JobModel:
                 self.made_anywhere.add(key)
         self.computed[rank] += 1
         self.clock[rank][self.position[rank]] = self.computed[rank]
+        self.snapshot[rank] = None
         self.cursor[rank] += 1
         return True
 
-    def _missing(self, rank: int, key: DataKey, consumed: list[_Op]) -> str | None:
+    def _available(self, rank: int, key: DataKey, consumed: list[_Op]) -> bool:
         owner = self.stage_to_rank[key[1]]
         if owner == rank or not self.lowered:
-            if key in (self.made[rank] if owner == rank else self.made_anywhere):
-                return None
-            return f"{producer_text(key)} on rank {owner}"
+            return key in (self.made[rank] if owner == rank else self.made_anywhere)
         op = self.recvs.get((rank, key))
         if op is None or not op.done:
-            state = "a completed" if op is not None else "a"
-            return f"{state} receive of {producer_text(key)} from rank {owner}"
+            return False
         consumed.append(op)
-        return None
+        return True
+
+    def _wait_text(self, wait: str | tuple) -> str:
+        """What a stuck rank waits for, from the final state of the run (the last attempt of every
+        stuck rank saw that state: the run ends after a round in which no rank moved)."""
+        if isinstance(wait, str):
+            return wait
+        if len(wait) == 1:
+            return self._op_wait(wait[0])
+        rank, key = wait
+        owner = self.stage_to_rank[key[1]]
+        if owner == rank or not self.lowered:
+            return f"{producer_text(key)} on rank {owner}"
+        state = "a completed" if self.recvs.get((rank, key)) is not None else "a"
+        return f"{state} receive of {producer_text(key)} from rank {owner}"
 
     # ------------------------------------------------------------------ communication
     def _communicate(self, rank: int, index: int, step: MetaStep) -> bool:
@@ -228,7 +251,7 @@ class JobModel:
         blocking = self.blocking.get(rank, [])
         for op in blocking:
             if not op.done:
-                self.waits[rank] = self._op_wait(op)
+                self.waits[rank] = (op,)
                 return False
         for op in blocking:
             self._merge(rank, op)
@@ -238,7 +261,12 @@ class JobModel:
         return True
 
     def _issue(self, rank: int, index: int, step: MetaStep) -> None:
-        group = _Group(rank, index, list(self.clock[rank]))
+        clock = _NO_CLOCK
+        if self.track:
+            clock = self.snapshot[rank]
+            if clock is None:
+                clock = self.snapshot[rank] = tuple(self.clock[rank])
+        group = _Group(rank, index, clock)
         for part in step.comm_parts:
             key = message_key(part)
             if key is None:
@@ -267,9 +295,18 @@ class JobModel:
         """Stuck: move receives that active sends wait for into their rank's first unfinished group."""
         moved = False
         for rank in self.ranks:
-            for group in list(self.queue[rank]):
-                if not group.active or not group.remaining:
+            # (stream) groups complete in order and only the first unfinished one is active: the
+            # groups before ``head`` completed, and once an unfinished group is inactive so are all
+            # after it (also after a post below completed some and activated the next)
+            queue = self.queue[rank]
+            k = self.head[rank]
+            while k < len(queue):
+                group = queue[k]
+                k += 1
+                if not group.remaining:
                     continue
+                if not group.active:
+                    break
                 for op in list(group.ops):
                     if op.is_send and not op.done:
                         moved |= self._prepost(op)
@@ -277,7 +314,11 @@ class JobModel:
 
     def _prepost(self, send: _Op) -> bool:
         peer = self.stage_to_rank[consumer_stage(send.key)]
-        head = next((g for g in self.queue.get(peer, ()) if g.remaining), None)  # a rank may have no list
+        queue = self.queue.get(peer, ())  # a rank may have no list
+        k = self.head.get(peer, 0)  # the groups before it completed
+        while k < len(queue) and not queue[k].remaining:
+            k += 1
+        head = queue[k] if k < len(queue) else None
         if head is None or not head.active:
             return False
         recv = self.recvs.get((peer, send.key))
@@ -300,9 +341,7 @@ class JobModel:
         head.ops.append(recv)
         head.remaining += 1
         self.forced.append((peer, recv.step, head.index))
-        both = list(head.active_clock or head.issue_clock) if self.track else None
-        if both is not None:
-            _max_into(both, send.group.active_clock)
+        both = _joined(head.active_clock or head.issue_clock, send.group.active_clock) if self.track else None
         for finished in (send, recv):
             if self._complete(finished, both):
                 self._activate_stream(finished.group.rank)
@@ -344,15 +383,13 @@ class JobModel:
             if previous is None and self.head[r] > 0:
                 previous = queue[self.head[r] - 1]
             group.active = True
-            group.active_clock = list(group.issue_clock)
+            group.active_clock = group.issue_clock
             if self.track and previous is not None:
-                _max_into(group.active_clock, previous.done_clock)
+                group.active_clock = _joined(group.issue_clock, previous.done_clock)
             for op in group.ops:
                 other = self._counterpart(op)
                 if other is not None and other.group.active and not op.done:
-                    both = list(group.active_clock) if self.track else None
-                    if both is not None:
-                        _max_into(both, other.group.active_clock)
+                    both = _joined(group.active_clock, other.group.active_clock) if self.track else None
                     for finished in (op, other):
                         if self._complete(finished, both):
                             pending.append(finished.group.rank)
@@ -368,18 +405,23 @@ class JobModel:
         group = op.group
         group.remaining -= 1
         if self.track and clock is not None:
-            if group.done_clock is None:
-                group.done_clock = list(clock)
-            else:
-                _max_into(group.done_clock, clock)
+            group.done_clock = clock if group.done_clock is None else _joined(group.done_clock, clock)
         return group.remaining == 0
 
     def _all_done(self, rank: int) -> bool:
-        return all(group.remaining == 0 for group in self.queue[rank])
+        # a completed group stays completed (a receive moved by ``force_posts`` joins an unfinished one)
+        queue = self.queue[rank]
+        k = self.done_upto[rank]
+        while k < len(queue) and queue[k].remaining == 0:
+            k += 1
+        self.done_upto[rank] = k
+        return k == len(queue)
 
     def _merge(self, rank: int, op: _Op) -> None:
         if self.track:
-            _max_into(self.clock[rank], op.done_clock)
+            if op.done_clock is not None:
+                _max_into(self.clock[rank], op.done_clock)
+                self.snapshot[rank] = None
 
     def _op_wait(self, op: _Op) -> str:
         other = self._counterpart(op)
@@ -405,6 +447,38 @@ def producer_text(key: DataKey) -> str:
     if kind == "M":
         return f"the shapes of F.s{stage}.m{micro}"
     return f"B.s{stage}.m{micro} or I.s{stage}.m{micro}"
+
+
+_PROOFS: list[tuple[dict[int, tuple[MetaStep, ...]], dict[int, int], str]] = []
+_PROOFS_KEPT = 2
+_PROOFS_LOCK = threading.Lock()
+
+
+def note_finished(schedule: Schedule, stage_to_rank: dict[int, int], model: str) -> None:
+    """Remember that a run of ``model`` over these very lists finished (lowering's last run), so
+    that validation of the same lists need not run the job again (see ``known_to_finish``)."""
+    entry = ({rank: tuple(steps) for rank, steps in schedule.items()}, dict(stage_to_rank), model)
+    with _PROOFS_LOCK:
+        _PROOFS.append(entry)
+        del _PROOFS[:-_PROOFS_KEPT]
+
+
+def known_to_finish(schedule: Schedule, stage_to_rank: dict[int, int], model: str) -> bool:
+    """Whether a remembered run finished on lists equal to these, in ``model`` or in ``"stream"``.
+
+    The job model is deterministic and reads nothing but the lists and the placement, so equal
+    lists give the same outcome. A finished ``"stream"`` run also proves ``"eager"``: every
+    condition under which the stream model lets a step proceed or an operation complete (both
+    groups active, hence both issued) implies the eager condition (the send issued), and no
+    condition is ever withdrawn once it holds, so the eager run gets at least as far."""
+    with _PROOFS_LOCK:
+        proofs = list(_PROOFS)
+    for lists, placement, proven in reversed(proofs):
+        if proven not in (model, "stream") or placement != stage_to_rank or lists.keys() != schedule.keys():
+            continue
+        if all(lists[rank] == tuple(steps) for rank, steps in schedule.items()):  # identical steps: C speed
+            return True
+    return False
 
 
 def run_job(

@@ -41,7 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .ir import DataKey, MetaStep, MetaStepType, Schedule, consumer_stage, consumes, message_key, produces
-from .job_model import run_job
+from .gc_pause import paused_gc
+from .job_model import note_finished, run_job
 
 TRANSPORTS = ("plain", "batch")
 METADATA = ("none", "first", "all")
@@ -80,7 +81,7 @@ def counterpart(op: MetaStep) -> MetaStep:
     return MetaStep(op.micro_index, kind, op.stage_index + shift)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Recv:
     peer: int
     natural_gap: int
@@ -112,6 +113,9 @@ class _RankPlan:
     sends_first: set[int] = field(default_factory=set)  # gaps whose data sends precede their RECV_METAs
     eager: bool = False  # sends never wait for their receive (the plain transport): always first
     fifo: _FifoPlan | None = None  # set once by _number_fifo
+    # gap -> (what its steps depend on, the steps) from the last assembly: lowering assembles a
+    # rank many times and moves few receives in between
+    assembled: dict[int, tuple[tuple, list[MetaStep]]] = field(default_factory=dict)
 
 
 def lower(
@@ -123,6 +127,12 @@ def lower(
     prefetch: bool = False,
 ) -> dict[int, list[MetaStep]]:
     """Insert the send/recv steps (see the module docstring); idle slots are dropped."""
+    with paused_gc():
+        return _lower(compute, stage_to_rank, transport, metadata, prefetch)
+
+
+def _lower(compute: Schedule, stage_to_rank: dict[int, int], transport: str, metadata: str,
+           prefetch: bool) -> dict[int, list[MetaStep]]:
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {transport!r}; valid transports: {', '.join(TRANSPORTS)}")
     if metadata not in METADATA:
@@ -140,23 +150,29 @@ def lower(
     if transport == "plain":
         return _assemble_all(plans, _emit_plain)
     _uncross(plans)
-    _repair(plans, stage_to_rank)
+    finished = _repair(plans, stage_to_rank)
     if prefetch:  # again with the groups of the stream model: what each send's group waits for
         _use_dependencies(plans, stage_to_rank, _emit_batch, "stream", prefetch, data_only=True)
         _uncross(plans)
-        _repair(plans, stage_to_rank)
-    return _assemble_all(plans, _emit_batch)
+        finished = _repair(plans, stage_to_rank)
+    lowered = _assemble_all(plans, _emit_batch)
+    if finished:  # the last run of the repairs ran these lists: validation need not run them again
+        note_finished(lowered, stage_to_rank, "stream")
+    return lowered
 
 
-def _repair(plans: dict[int, _RankPlan], stage_to_rank: dict[int, int]) -> None:
+def _repair(plans: dict[int, _RankPlan], stage_to_rank: dict[int, int]) -> bool:
     """Repair for the stream model, fast (the model posts late receives itself) and, where that
-    does not finish, one stuck state at a time from the same start."""
+    does not finish, one stuck state at a time from the same start. True when the lists as they
+    stand were seen to finish in the stream model."""
     start = _placement(plans)
-    _repair_for_stream(plans, stage_to_rank, _emit_batch, force=True)
+    # a forced run that moved nothing is a plain run of the same lists: its "finished" is the check
+    if _repair_for_stream(plans, stage_to_rank, _emit_batch, force=True):
+        return True
     if run_job(_assemble_all(plans, _emit_batch), stage_to_rank, model="stream").finished:
-        return
+        return True
     _restore_placement(plans, start)
-    _repair_for_stream(plans, stage_to_rank, _emit_batch, force=False)
+    return _repair_for_stream(plans, stage_to_rank, _emit_batch, force=False)
 
 
 def _placement(plans: dict[int, _RankPlan]) -> list:
@@ -370,7 +386,7 @@ def _fix_crossing(recvs: dict, low: int, high: int, first: tuple, second: tuple)
 
 def _repair_for_stream(
     plans: dict[int, _RankPlan], stage_to_rank: dict[int, int], emit: _Emit, force: bool
-) -> None:
+) -> bool:
     """Move operations until the job finishes in the stream model (groups of a rank run in order).
 
     While the model is stuck, for an operation of a rank's first unfinished group:
@@ -384,7 +400,7 @@ def _repair_for_stream(
     failing both, a receive posted before its natural place goes back there, with every receive
     of the same rank, kind and stage (a schedule repeats itself; one at a time would take as
     many runs as there are micro-batches). What cannot be repaired is left for validation to
-    report.
+    report. True when the last run finished without any forced move (the lists as they stand finish).
     """
     recvs = {(rank, recv.step): recv for rank, plan in plans.items() for recv in plan.recvs}
     send_gap = {(rank, send): gap for rank, plan in plans.items() for gap, sends in plan.sends.items()
@@ -392,21 +408,22 @@ def _repair_for_stream(
     for _ in range(2 * sum(len(plan.recvs) for plan in plans.values()) + 1):
         lowered = _assemble_all(plans, emit)
         outcome = run_job(lowered, stage_to_rank, model="stream", force_posts=force)
+        gap_of = _GapIndex(lowered)
         if outcome.forced:
             changed = False
             for rank, step, index in outcome.forced:  # receives the model had to post early
                 recv = recvs[(rank, step)]
-                gap = _gap_of(lowered[rank], index)
+                gap = gap_of(rank, index)
                 if gap < recv.wanted_gap:
                     recv.wanted_gap, changed = gap, True
             if changed:
                 continue
-            return  # the moves the model made do not fit the gaps: leave it to the slow repairs
+            return False  # the moves the model made do not fit the gaps: leave it to the slow repairs
         if outcome.finished:
-            return
-        head_gap = {rank: _gap_of(lowered[rank], index) for rank, index in outcome.heads.items()}
+            return True
+        head_gap = {rank: gap_of(rank, index) for rank, index in outcome.heads.items()}
         meta_wait = {
-            rank: _gap_of(lowered[rank], index)
+            rank: gap_of(rank, index)
             for rank, (index, _) in outcome.stuck.items()
             if index < len(lowered[rank]) and lowered[rank][index].meta_type is _T.META_RECV
         }
@@ -442,12 +459,28 @@ def _repair_for_stream(
                     recv.wanted_gap, recv.before_meta = recv.natural_gap, False
                     moved = True
         if not moved:
-            return
+            return False
+    return False
 
 
-def _gap_of(steps: list[MetaStep], index: int) -> int:
-    """The gap (number of compute steps before it) of the step at ``index``."""
-    return sum(1 for step in steps[:index] if not step.meta_type.is_comm)
+class _GapIndex:
+    """The gap (number of compute steps before it) of the step at an index of a rank's list; each
+    rank's prefix counts are made once, on the first question about that rank."""
+
+    def __init__(self, lowered: dict[int, list[MetaStep]]) -> None:
+        self.lowered = lowered
+        self.prefix: dict[int, list[int]] = {}
+
+    def __call__(self, rank: int, index: int) -> int:
+        counts = self.prefix.get(rank)
+        if counts is None:
+            counts, seen = [], 0
+            for step in self.lowered[rank]:
+                counts.append(seen)
+                seen += not step.meta_type.is_comm
+            counts.append(seen)
+            self.prefix[rank] = counts
+        return counts[min(index, len(counts) - 1)]
 
 
 def _number_fifo(plans: dict[int, _RankPlan]) -> None:
@@ -524,10 +557,21 @@ def _assemble(plan: _RankPlan, emit: _Emit) -> list[MetaStep]:
     for recv in plan.recvs:
         recvs_at[recv.gap].append(recv)
     out: list[MetaStep] = []
+    cache = plan.assembled
+    no_recvs: list[_Recv] = []
     for gap in range(len(plan.items) + 1):
-        sends = [send for _, send in plan.sends.get(gap, [])]
-        out += [send for send in sends if send.meta_type.is_meta]
-        out += emit(*_gap_slots(plan, gap, [s for s in sends if not s.meta_type.is_meta], recvs_at.get(gap, [])))
+        here = recvs_at.get(gap, no_recvs)
+        # everything _gap_slots reads that may change between assemblies
+        key = (emit, gap in plan.sends_first, tuple((id(r), r.before_meta, r.depends_on) for r in here))
+        cached = cache.get(gap)
+        if cached is not None and cached[0] == key:
+            out += cached[1]
+        else:
+            sends = [send for _, send in plan.sends.get(gap, [])]
+            steps = [send for send in sends if send.meta_type.is_meta]
+            steps += emit(*_gap_slots(plan, gap, [s for s in sends if not s.meta_type.is_meta], here))
+            cache[gap] = (key, steps)
+            out += steps
         if gap < len(plan.items):
             out.append(plan.items[gap])
     return out

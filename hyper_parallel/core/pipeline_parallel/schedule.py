@@ -14,8 +14,9 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hyper_parallel.core.pipeline_parallel import shared_params
+from hyper_parallel.core.pipeline_parallel import plan_cache, shared_params
 from hyper_parallel.core.pipeline_parallel.agreement import gather_and_check
+from hyper_parallel.core.pipeline_parallel.gc_pause import paused_gc
 from hyper_parallel.core.pipeline_parallel.grad_state import RunGradients
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.lowering import TRANSPORTS, lower
@@ -198,7 +199,8 @@ class PipelineSchedule:
             raise ValueError(
                 f"{cls.__name__} with {num_ranks} ranks needs at least {minimum} micro-batches, got {num_microbatches!r}"
             )
-        return cls._generate(num_ranks, num_chunks, num_microbatches)
+        return plan_cache.generated((cls, num_ranks, num_chunks, num_microbatches),
+                                    lambda: cls._generate(num_ranks, num_chunks, num_microbatches))
 
     @classmethod
     def _generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
@@ -304,24 +306,45 @@ class PipelineSchedule:
         key = (metadata, forward_only)
         lowered = self._lowered_cache.get(key)
         if lowered is None:
-            compute = _forwards_only(self.compute_schedule) if forward_only else self.compute_schedule
+            with paused_gc():  # millions of small objects, all alive until the end (gc_pause.py)
+                lowered = self._plan(metadata, forward_only)
+            self._lowered_cache[key] = lowered
+        return lowered
+
+    def _plan(self, metadata: str, forward_only: bool) -> dict[int, list[MetaStep]]:
+        """Lower, run the features' passes, validate (or reuse this process's plan of the same lists)."""
+        compute = _forwards_only(self.compute_schedule) if forward_only else self.compute_schedule
+        # the same plan in this process (another rank's thread, the same shape built again):
+        # reused when its compute lists are equal to these (plan_cache.py)
+        plan_key = (type(self), self.num_ranks, len(self.stages), self.micro_batch_num,
+                    tuple(sorted(self.stage_to_pp_rank.items())), self.p2p_transport, metadata,
+                    self.overlap_p2p, forward_only)
+        planned = plan_cache.lowered(plan_key, compute)
+        if planned is None:
             lowered = lower(compute, self.stage_to_pp_rank, self.p2p_transport, metadata=metadata,
                             prefetch=self.overlap_p2p)
-            for lowering_pass in self._passes:
-                lowered = lowering_pass(lowered, self, forward_only)
-            engine = "eager" if self.platform.device_type == "cpu" else "stream"  # gloo vs NCCL / HCCL
-            try:
+            passed: set = set()
+            plan_cache.remember(plan_key, compute, lowered, passed)
+        else:
+            lowered, passed = planned
+        for lowering_pass in self._passes:
+            lowered = lowering_pass(lowered, self, forward_only)
+        engine = "eager" if self.platform.device_type == "cpu" else "stream"  # gloo vs NCCL / HCCL
+        check = (self.micro_batch_num, engine)
+        try:
+            if self._passes or check not in passed:
                 validate_lowered(lowered, self.stage_to_pp_rank, self.micro_batch_num, self.p2p_transport,
                                  forward_only, engine=engine)
-            except ScheduleError as exc:
-                if self.p2p_transport != "plain" or engine != "stream":
-                    raise
-                raise ScheduleError(
-                    f"p2p_transport='plain' would hang on {self.platform.device_type}: there a rank's sends and "
-                    "receives run in order on one stream and a send waits for its receive; use "
-                    f"p2p_transport='batch' (what 'auto' picks there). {exc.reason}", exc.schedule, exc.marks
-                ) from None
-            self._lowered_cache[key] = lowered
+                if not self._passes:
+                    passed.add(check)
+        except ScheduleError as exc:
+            if self.p2p_transport != "plain" or engine != "stream":
+                raise
+            raise ScheduleError(
+                f"p2p_transport='plain' would hang on {self.platform.device_type}: there a rank's sends and "
+                "receives run in order on one stream and a send waits for its receive; use "
+                f"p2p_transport='batch' (what 'auto' picks there). {exc.reason}", exc.schedule, exc.marks
+            ) from None
         return lowered
 
     def add_feature(self, lowering_pass: LoweringPass | None = None,

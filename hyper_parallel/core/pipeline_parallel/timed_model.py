@@ -108,7 +108,7 @@ class TimedJobModel:
         self.queue: dict[int, list[_Group]] = {rank: [] for rank in self.ranks}
         self.head = dict.fromkeys(self.ranks, 0)
         self.issued_at: dict[int, int] = {}  # rank -> index of a comm step issued, still waiting
-        self.waits: dict[int, str] = {}
+        self.waits: dict[int, str | tuple] = {}  # the text is made only for the ranks that stay stuck
         self.compute: dict[int, list[tuple[float, float, MetaStep]]] = {rank: [] for rank in self.ranks}
         self.records: list[Record] = []
 
@@ -126,7 +126,7 @@ class TimedJobModel:
             ends = [op.done for g in self.queue[rank] for op in g.ops]
             if self.cursor[rank] < len(self.steps[rank]) or None in ends:
                 index = min(self.cursor[rank], max(len(self.steps[rank]) - 1, 0))
-                stuck[rank] = (index, self.waits.get(rank, "its sends to complete"))
+                stuck[rank] = (index, _wait_text(self.waits.get(rank, "its sends to complete")))
             else:
                 finish[rank] = max([self.clock[rank], *ends])
         for op in self.sends.values():
@@ -163,7 +163,8 @@ class TimedJobModel:
                 if at > ready:
                     ready, waited_for = at, what
         if waited_for is not None:
-            self.records.append(_record(rank, waited_for, "p2p-wait", self.clock[rank], ready))
+            label = producer_text(waited_for) if isinstance(waited_for, tuple) else waited_for
+            self.records.append(_record(rank, label, "p2p-wait", self.clock[rank], ready))
         end = ready + self.compute_time(step)
         self.compute[rank].append((ready, end, step))
         self.records.append(_record(rank, step, "compute", ready, end))
@@ -174,18 +175,20 @@ class TimedJobModel:
         self.cursor[rank] += 1
         return True
 
-    def _available(self, rank: int, key: DataKey) -> tuple[float | None, str | MetaStep]:
-        """When ``key`` can be used on ``rank`` (None: not yet known) and what it waits for."""
+    def _available(self, rank: int, key: DataKey) -> tuple[float | None, tuple | MetaStep]:
+        """When ``key`` can be used on ``rank`` (None: not yet known) and what it waits for: the
+        receive step, the value's key (its producer, for a compute-only list), or while unknown a
+        wait for ``_wait_text`` (texts are made only where needed: a large job asks millions of times)."""
         owner = self.stage_to_rank[key[1]]
         if owner == rank or not self.lowered:
-            if key not in self.made:
-                return None, f"{producer_text(key)} on rank {owner}"
-            made, where = self.made[key]
-            return (made if where == rank else made + self.message_time(key)), producer_text(key)
+            found = self.made.get(key)
+            if found is None:
+                return None, ("made", key, owner)
+            made, where = found
+            return (made if where == rank else made + self.message_time(key)), key
         op = self.recvs.get((rank, key))
         if op is None or op.done is None:
-            state = "a completed" if op is not None else "a"
-            return None, f"{state} receive of {producer_text(key)} from rank {owner}"
+            return None, ("received", key, owner, op is not None)
         return op.done, op.step
 
     # ------------------------------------------------------------------ communication
@@ -196,7 +199,7 @@ class TimedJobModel:
         blocking = self._blocking(rank, step)
         if any(op.done is None for op in blocking):
             pending = next(op for op in blocking if op.done is None)
-            self.waits[rank] = f"{_send_text(pending.key)} on rank {self.stage_to_rank[pending.key[1]]}"
+            self.waits[rank] = ("sent", pending.key, self.stage_to_rank[pending.key[1]])
             return False
         if blocking:
             ready = max(op.done for op in blocking)
@@ -301,6 +304,18 @@ def _finish_group(group: _Group) -> bool:
 
 def _record(rank: int, step: MetaStep | str, kind: str, start: float, end: float) -> Record:
     return {"rank": rank, "step": str(step), "kind": kind, "start": start, "end": end}
+
+
+def _wait_text(wait: str | tuple) -> str:
+    """The text of a wait noted by ``_available`` or ``_communicate`` (as it stood then)."""
+    if isinstance(wait, str):
+        return wait
+    if wait[0] == "made":
+        return f"{producer_text(wait[1])} on rank {wait[2]}"
+    if wait[0] == "received":
+        state = "a completed" if wait[3] else "a"
+        return f"{state} receive of {producer_text(wait[1])} from rank {wait[2]}"
+    return f"{_send_text(wait[1])} on rank {wait[2]}"
 
 
 def _send_text(key: DataKey) -> str:

@@ -1,0 +1,161 @@
+"""Issue 22: what planning reuses, and that reusing never lets a bad schedule through.
+
+- validation skips its whole-job run only for lists equal to ones lowering's last run saw
+  finish (``job_model.note_finished`` / ``known_to_finish``); any other list is run, and a
+  deadlock is still reported with the stuck ranks marked;
+- ``plan_cache`` hands out a plan only for equal compute lists, as fresh lists;
+- the cyclic collector is paused while planning and restored after, also when planning fails.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+
+from hyper_parallel.core.pipeline_parallel import plan_cache
+from hyper_parallel.core.pipeline_parallel.gc_pause import paused_gc
+from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.job_model import known_to_finish, note_finished
+from hyper_parallel.core.pipeline_parallel.lowering import lower
+from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B, ScheduleInterleaved1F1B
+from hyper_parallel.core.pipeline_parallel.validate import ScheduleError, validate_lowered
+
+T = MetaStepType
+
+
+def _lowered(transport="batch", cls=ScheduleInterleaved1F1B, p=3, v=2, m=6):
+    placement = cls.stage_placement(p, v)
+    return lower(cls.generate(p, v, m), placement, transport, metadata="first", prefetch=True), placement, m
+
+
+def test_batch_lowering_proves_its_lists_in_the_stream_model_only_for_those_lists():
+    lowered, placement, _ = _lowered()
+    assert known_to_finish(lowered, placement, "stream")
+    assert known_to_finish({r: list(s) for r, s in lowered.items()}, placement, "eager")  # equal lists
+    moved = {r: list(s) for r, s in lowered.items()}
+    moved[1].append(moved[1].pop(0))
+    assert not known_to_finish(moved, placement, "stream")
+    assert not known_to_finish(lowered, {**placement, 0: 1}, "stream")  # another placement
+
+
+def test_plain_lowering_proves_nothing_and_an_eager_proof_does_not_cover_stream():
+    lowered, placement, _ = _lowered("plain", Schedule1F1B, 4, 1, 9)
+    assert not known_to_finish(lowered, placement, "eager")  # prefetch moved receives after its last run
+    note_finished(lowered, placement, "eager")
+    assert known_to_finish(lowered, placement, "eager")
+    assert not known_to_finish(lowered, placement, "stream")
+
+
+def test_a_deadlock_in_lists_close_to_proven_ones_is_still_reported():
+    lowered, placement, m = _lowered()
+    validate_lowered(lowered, placement, m, "batch")  # proven: fine
+    # the same operations one by one, sends first: on one stream a send waits for its receive
+    split = {
+        rank: [op for step in steps for op in (
+            sorted(step.comm_parts, key=lambda o: not o.meta_type.is_send) if step.meta_type is T.BATCH_SEND_RECV
+            else (step,))]
+        for rank, steps in lowered.items()
+    }
+    with pytest.raises(ScheduleError, match="deadlock: every unfinished rank is blocked") as info:
+        validate_lowered(split, placement, m, "batch")
+    assert {rank for rank, _ in info.value.marks} == {0, 1, 2}
+    assert "rank 0 is stuck at" in str(info.value)
+
+
+def test_the_plan_cache_only_answers_for_equal_compute_lists_with_fresh_lists():
+    plan_cache.clear()
+    compute = {0: [MetaStep(0, T.FWD, 0), MetaStep(0, T.BWD, 0)]}
+    done = {0: [MetaStep(0, T.FWD, 0), MetaStep(0, T.BWD, 0)]}
+    checks: set = set()
+    plan_cache.remember("k", compute, done, checks)
+    hit = plan_cache.lowered("k", {0: [MetaStep(0, T.FWD, 0), MetaStep(0, T.BWD, 0)]})
+    assert hit is not None and hit[0] == done and hit[1] is checks
+    hit[0][0].pop()  # the caller's lists are its own
+    assert plan_cache.lowered("k", compute)[0] == done
+    assert plan_cache.lowered("k", {0: [MetaStep(0, T.FWD, 0)]}) is None
+    assert plan_cache.lowered("other", compute) is None
+    plan_cache.clear()
+
+
+def test_generate_gives_fresh_lists_of_the_same_steps():
+    first = Schedule1F1B.generate(3, 1, 5)
+    first[0].clear()
+    again = Schedule1F1B.generate(3, 1, 5)
+    assert again[0] and again == Schedule1F1B.generate(3, 1, 5)
+    with pytest.raises(ValueError, match="needs at least"):
+        ScheduleInterleaved1F1B.generate(4, 2, 0)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_paused_while_planning_and_restored(enabled):
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        seen = []
+        with paused_gc():
+            seen.append(gc.isenabled())
+            with paused_gc():
+                seen.append(gc.isenabled())
+            seen.append(gc.isenabled())
+        assert seen == [False, False, False] and gc.isenabled() is enabled
+        with pytest.raises(ValueError, match="unknown transport"):
+            lower({0: []}, {0: 0}, "nccl")
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable() if was else gc.disable()
+
+
+def test_threads_planning_together_leave_the_collector_on():
+    assert gc.isenabled()
+    inside = threading.Event()
+    release = threading.Event()
+
+    def planner():
+        with paused_gc():
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=planner)
+    thread.start()
+    assert inside.wait(30)
+    with paused_gc():
+        pass
+    assert not gc.isenabled()  # the other thread still plans
+    release.set()
+    thread.join(30)
+    assert gc.isenabled()
+
+
+def test_the_outside_contract_of_planning():
+    """Issue 22, item 6: what outside checks import and call keeps its form."""
+    import inspect
+
+    import hyper_parallel.core.pipeline_parallel as pp
+    from hyper_parallel.core.pipeline_parallel import lower as public_lower
+    from hyper_parallel.core.pipeline_parallel import validate_lowered as public_validate
+
+    assert public_lower is lower and public_validate is validate_lowered
+    assert str(inspect.signature(lower)) == (
+        "(compute: 'Schedule', stage_to_rank: 'dict[int, int]', transport: 'str' = 'plain', *, "
+        "metadata: 'str' = 'none', prefetch: 'bool' = False) -> 'dict[int, list[MetaStep]]'")
+    assert list(inspect.signature(validate_lowered).parameters) == [
+        "lowered", "stage_to_rank", "num_microbatches", "transport", "forward_only", "engine"]
+    for name in ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+                 "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
+                 "ScheduleMPipeTranspose"):
+        cls = getattr(pp, name)
+        assert list(inspect.signature(cls.generate).parameters) == ["num_ranks", "num_chunks", "num_microbatches"]
+        assert list(inspect.signature(cls.stage_placement).parameters) == ["num_ranks", "num_chunks"]
+
+
+@pytest.mark.parametrize("args, error, text", [
+    ((0, 1, 4), ValueError, "num_ranks must be an int >= 1, got 0"),
+    ((2, 1, 0), ValueError, "Schedule1F1B with 2 ranks needs at least 1 micro-batches, got 0"),
+    ((2, 1, 2.0), ValueError, "needs at least 1 micro-batches, got 2.0"),
+    (("2", 1, 4), ValueError, "num_ranks must be an int >= 1, got '2'"),
+])
+def test_bad_sizes_are_still_refused_with_the_same_messages(args, error, text):
+    with pytest.raises(error, match=text):
+        Schedule1F1B.generate(*args)
