@@ -159,3 +159,26 @@ def test_the_outside_contract_of_planning():
 def test_bad_sizes_are_still_refused_with_the_same_messages(args, error, text):
     with pytest.raises(error, match=text):
         Schedule1F1B.generate(*args)
+
+
+def test_a_users_generator_is_asked_again_at_every_build():
+    """A subclass's ``_generate`` may read what it is given between builds (a table, a CSV file):
+    its lists are not kept, so an edited schedule is the one that runs (the library's generators are
+    functions of (p, v, m) and are kept)."""
+
+    def steps(text):
+        return [MetaStep.from_str(word) for word in text.split()]
+
+    first = {0: steps("F.s0.m0 F.s0.m1 B.s0.m0 B.s0.m1"), 1: steps("F.s1.m0 B.s1.m0 F.s1.m1 B.s1.m1")}
+    edited = {0: steps("F.s0.m0 B.s0.m0 F.s0.m1 B.s0.m1"), 1: steps("F.s1.m0 B.s1.m0 F.s1.m1 B.s1.m1")}
+
+    class FromTable(Schedule1F1B):
+        table: dict = first
+
+        @classmethod
+        def _generate(cls, num_ranks, num_chunks, num_microbatches):
+            return {rank: list(row) for rank, row in cls.table.items()}
+
+    assert FromTable.generate(2, 1, 2) == first
+    FromTable.table = edited
+    assert FromTable.generate(2, 1, 2) == edited
