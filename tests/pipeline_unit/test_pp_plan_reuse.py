@@ -182,3 +182,26 @@ def test_a_users_generator_is_asked_again_at_every_build():
     assert FromTable.generate(2, 1, 2) == first
     FromTable.table = edited
     assert FromTable.generate(2, 1, 2) == edited
+
+
+@pytest.mark.parametrize("metadata", ["none", "first", "all"])
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("transport", ["plain", "batch"])
+def test_lowering_that_cannot_repair_a_deadlock_proves_nothing(transport, prefetch, metadata):
+    """Lowering's "its last run finished" is what lets validation skip its own run, so a compute
+    schedule no placement of receives can save (each rank waits for the other's first micro-batch)
+    must leave no proof behind: the lowered lists are still refused, both ranks marked."""
+
+    def rows(*texts):
+        return {rank: [MetaStep.from_str(word) for word in text.split()] for rank, text in enumerate(texts)}
+
+    cycle = rows("F.s0.m0 B.s0.m0 F.s0.m1 B.s0.m1", "F.s1.m1 B.s1.m1 F.s1.m0 B.s1.m0")
+    placement = {0: 0, 1: 1}
+    lowered = lower(cycle, placement, transport, metadata=metadata, prefetch=prefetch)
+    assert not known_to_finish(lowered, placement, "stream")
+    for engine in ("eager", "stream"):
+        with pytest.raises(ScheduleError, match="deadlock: every unfinished rank is blocked") as info:
+            validate_lowered(lowered, placement, 2, transport, engine=engine)
+        assert {rank for rank, _ in info.value.marks} == {0, 1}
+        assert "rank 0 is stuck at B.s0.m0, waiting for a completed receive of B.s1.m0 or I.s1.m0 from rank 1" \
+            in str(info.value)
