@@ -205,3 +205,68 @@ def test_lowering_that_cannot_repair_a_deadlock_proves_nothing(transport, prefet
         assert {rank for rank, _ in info.value.marks} == {0, 1}
         assert "rank 0 is stuck at B.s0.m0, waiting for a completed receive of B.s1.m0 or I.s1.m0 from rank 1" \
             in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_features_pass_is_validated_even_when_the_same_plan_passed_before():
+    """The plan cache reuses a validation only without lowering passes: a pass that breaks the lists
+    (here one that drops rank 0's sends) is refused before any run, although a build of the same
+    shape in this process validated the unchanged lists a moment ago."""
+    import torch
+
+    from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+    from hyper_parallel.platform import get_platform
+    from hyper_parallel.platform.local import LocalCluster
+
+    def drop_sends(lowered, schedule, forward_only):
+        return {rank: [s for s in steps if rank != 0 or not s.meta_type.is_send] for rank, steps in lowered.items()}
+
+    def body():
+        rank = get_platform().rank
+        Schedule1F1B(PipelineStage(torch.nn.Linear(2, 2), rank, 2), 2).exec_order  # noqa: B018 (planned, validated)
+        schedule = Schedule1F1B(PipelineStage(torch.nn.Linear(2, 2), rank, 2), 2)
+        schedule.add_feature(lowering_pass=drop_sends)
+        try:
+            schedule.exec_order  # noqa: B018
+        except ScheduleError as exc:
+            return str(exc).splitlines()[0]
+        return "accepted"
+
+    plan_cache.clear()
+    results = LocalCluster(2, platform="torch").run(body)
+    assert results == ["RECV_META.s1.m0 has no matching SEND_META.s0.m0 on rank 0"] * 2
+
+
+@pytest.mark.timeout(120)
+def test_builds_of_one_shape_with_other_options_each_get_their_own_lowering():
+    """(class, p, v, m) alike, the options differ (transport, overlap_p2p, dyn_shape's metadata,
+    eval's forward-only lists), built one after another in one process: each plan is the lowering of
+    its own options, not an earlier build's."""
+    import torch
+
+    from hyper_parallel.core.pipeline_parallel.schedule import _forwards_only
+    from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+    from hyper_parallel.platform import get_platform
+    from hyper_parallel.platform.local import LocalCluster
+
+    # each next to the one it differs from by one option (the cache keeps a few plans)
+    options = [("plain", True, False), ("plain", True, True), ("batch", True, True), ("batch", False, True),
+               ("batch", False, False)]
+
+    def body():
+        rank = get_platform().rank
+        plans = []
+        for transport, overlap, dyn in options:
+            stages = [PipelineStage(torch.nn.Linear(2, 2), rank + 2 * c, 4, dyn_shape=dyn) for c in range(2)]
+            schedule = ScheduleInterleaved1F1B(stages, 5, p2p_transport=transport, overlap_p2p=overlap)
+            metadata = schedule._training_metadata()
+            plans.append((schedule._lowered(metadata), schedule._lowered(metadata, forward_only=True)))
+        return plans
+
+    plan_cache.clear()
+    compute, placement = ScheduleInterleaved1F1B.generate(2, 2, 5), ScheduleInterleaved1F1B.stage_placement(2, 2)
+    for plans in LocalCluster(2, platform="torch").run(body):
+        for (training, forward), (transport, overlap, dyn) in zip(plans, options, strict=True):
+            metadata = "all" if dyn else "first"
+            assert training == lower(compute, placement, transport, metadata=metadata, prefetch=overlap)
+            assert forward == lower(_forwards_only(compute), placement, transport, metadata=metadata, prefetch=overlap)
