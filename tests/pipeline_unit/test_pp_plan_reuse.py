@@ -270,3 +270,50 @@ def test_builds_of_one_shape_with_other_options_each_get_their_own_lowering():
             metadata = "all" if dyn else "first"
             assert training == lower(compute, placement, transport, metadata=metadata, prefetch=overlap)
             assert forward == lower(_forwards_only(compute), placement, transport, metadata=metadata, prefetch=overlap)
+
+
+def _child_collector_state(fork_inside: bool) -> int:
+    """Fork while a planner holds the collector paused (another thread's, or, ``fork_inside``, the
+    forking thread's own, which then leaves it in the child); the child's exit status says whether
+    its collector is on once no planner of its own is left (0: on)."""
+    import os
+
+    inside, release = threading.Event(), threading.Event()
+
+    def planner():
+        with paused_gc():
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=planner)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        if fork_inside:
+            with paused_gc():
+                pid = os.fork()
+                if pid == 0 and gc.isenabled():
+                    os._exit(9)  # the child still plans here: paused
+        else:
+            pid = os.fork()
+        if pid == 0:
+            with paused_gc():  # the child plans too: its lock is usable
+                pass
+            os._exit(0 if gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+    finally:
+        release.set()
+        thread.join(30)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("fork_inside", [False, True], ids=["other-thread", "own-thread"])
+def test_a_child_forked_while_planning_gets_its_collector_back(fork_inside):
+    """A process forked while a thread plans (a data loader's workers, a LocalCluster rank still
+    planning): the planning thread does not exist in the child, so nothing there would resume the
+    collector; the child's collector comes back once its own planners (if the forking thread was
+    one) are done."""
+    assert gc.isenabled()
+    assert _child_collector_state(fork_inside) == 0
+    assert gc.isenabled()
