@@ -159,3 +159,161 @@ def test_the_outside_contract_of_planning():
 def test_bad_sizes_are_still_refused_with_the_same_messages(args, error, text):
     with pytest.raises(error, match=text):
         Schedule1F1B.generate(*args)
+
+
+def test_a_users_generator_is_asked_again_at_every_build():
+    """A subclass's ``_generate`` may read what it is given between builds (a table, a CSV file):
+    its lists are not kept, so an edited schedule is the one that runs (the library's generators are
+    functions of (p, v, m) and are kept)."""
+
+    def steps(text):
+        return [MetaStep.from_str(word) for word in text.split()]
+
+    first = {0: steps("F.s0.m0 F.s0.m1 B.s0.m0 B.s0.m1"), 1: steps("F.s1.m0 B.s1.m0 F.s1.m1 B.s1.m1")}
+    edited = {0: steps("F.s0.m0 B.s0.m0 F.s0.m1 B.s0.m1"), 1: steps("F.s1.m0 B.s1.m0 F.s1.m1 B.s1.m1")}
+
+    class FromTable(Schedule1F1B):
+        table: dict = first
+
+        @classmethod
+        def _generate(cls, num_ranks, num_chunks, num_microbatches):
+            return {rank: list(row) for rank, row in cls.table.items()}
+
+    assert FromTable.generate(2, 1, 2) == first
+    FromTable.table = edited
+    assert FromTable.generate(2, 1, 2) == edited
+
+
+@pytest.mark.parametrize("metadata", ["none", "first", "all"])
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("transport", ["plain", "batch"])
+def test_lowering_that_cannot_repair_a_deadlock_proves_nothing(transport, prefetch, metadata):
+    """Lowering's "its last run finished" is what lets validation skip its own run, so a compute
+    schedule no placement of receives can save (each rank waits for the other's first micro-batch)
+    must leave no proof behind: the lowered lists are still refused, both ranks marked."""
+
+    def rows(*texts):
+        return {rank: [MetaStep.from_str(word) for word in text.split()] for rank, text in enumerate(texts)}
+
+    cycle = rows("F.s0.m0 B.s0.m0 F.s0.m1 B.s0.m1", "F.s1.m1 B.s1.m1 F.s1.m0 B.s1.m0")
+    placement = {0: 0, 1: 1}
+    lowered = lower(cycle, placement, transport, metadata=metadata, prefetch=prefetch)
+    assert not known_to_finish(lowered, placement, "stream")
+    for engine in ("eager", "stream"):
+        with pytest.raises(ScheduleError, match="deadlock: every unfinished rank is blocked") as info:
+            validate_lowered(lowered, placement, 2, transport, engine=engine)
+        assert {rank for rank, _ in info.value.marks} == {0, 1}
+        assert "rank 0 is stuck at B.s0.m0, waiting for a completed receive of B.s1.m0 or I.s1.m0 from rank 1" \
+            in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_features_pass_is_validated_even_when_the_same_plan_passed_before():
+    """The plan cache reuses a validation only without lowering passes: a pass that breaks the lists
+    (here one that drops rank 0's sends) is refused before any run, although a build of the same
+    shape in this process validated the unchanged lists a moment ago."""
+    import torch
+
+    from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+    from hyper_parallel.platform import get_platform
+    from hyper_parallel.platform.local import LocalCluster
+
+    def drop_sends(lowered, schedule, forward_only):
+        return {rank: [s for s in steps if rank != 0 or not s.meta_type.is_send] for rank, steps in lowered.items()}
+
+    def body():
+        rank = get_platform().rank
+        Schedule1F1B(PipelineStage(torch.nn.Linear(2, 2), rank, 2), 2).exec_order  # noqa: B018 (planned, validated)
+        schedule = Schedule1F1B(PipelineStage(torch.nn.Linear(2, 2), rank, 2), 2)
+        schedule.add_feature(lowering_pass=drop_sends)
+        try:
+            schedule.exec_order  # noqa: B018
+        except ScheduleError as exc:
+            return str(exc).splitlines()[0]
+        return "accepted"
+
+    plan_cache.clear()
+    results = LocalCluster(2, platform="torch").run(body)
+    assert results == ["RECV_META.s1.m0 has no matching SEND_META.s0.m0 on rank 0"] * 2
+
+
+@pytest.mark.timeout(120)
+def test_builds_of_one_shape_with_other_options_each_get_their_own_lowering():
+    """(class, p, v, m) alike, the options differ (transport, overlap_p2p, dyn_shape's metadata,
+    eval's forward-only lists), built one after another in one process: each plan is the lowering of
+    its own options, not an earlier build's."""
+    import torch
+
+    from hyper_parallel.core.pipeline_parallel.schedule import _forwards_only
+    from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+    from hyper_parallel.platform import get_platform
+    from hyper_parallel.platform.local import LocalCluster
+
+    # each next to the one it differs from by one option (the cache keeps a few plans)
+    options = [("plain", True, False), ("plain", True, True), ("batch", True, True), ("batch", False, True),
+               ("batch", False, False)]
+
+    def body():
+        rank = get_platform().rank
+        plans = []
+        for transport, overlap, dyn in options:
+            stages = [PipelineStage(torch.nn.Linear(2, 2), rank + 2 * c, 4, dyn_shape=dyn) for c in range(2)]
+            schedule = ScheduleInterleaved1F1B(stages, 5, p2p_transport=transport, overlap_p2p=overlap)
+            metadata = schedule._training_metadata()
+            plans.append((schedule._lowered(metadata), schedule._lowered(metadata, forward_only=True)))
+        return plans
+
+    plan_cache.clear()
+    compute, placement = ScheduleInterleaved1F1B.generate(2, 2, 5), ScheduleInterleaved1F1B.stage_placement(2, 2)
+    for plans in LocalCluster(2, platform="torch").run(body):
+        for (training, forward), (transport, overlap, dyn) in zip(plans, options, strict=True):
+            metadata = "all" if dyn else "first"
+            assert training == lower(compute, placement, transport, metadata=metadata, prefetch=overlap)
+            assert forward == lower(_forwards_only(compute), placement, transport, metadata=metadata, prefetch=overlap)
+
+
+def _child_collector_state(fork_inside: bool) -> int:
+    """Fork while a planner holds the collector paused (another thread's, or, ``fork_inside``, the
+    forking thread's own, which then leaves it in the child); the child's exit status says whether
+    its collector is on once no planner of its own is left (0: on)."""
+    import os
+
+    inside, release = threading.Event(), threading.Event()
+
+    def planner():
+        with paused_gc():
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=planner)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        if fork_inside:
+            with paused_gc():
+                pid = os.fork()
+                if pid == 0 and gc.isenabled():
+                    os._exit(9)  # the child still plans here: paused
+        else:
+            pid = os.fork()
+        if pid == 0:
+            with paused_gc():  # the child plans too: its lock is usable
+                pass
+            os._exit(0 if gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status)
+    finally:
+        release.set()
+        thread.join(30)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("fork_inside", [False, True], ids=["other-thread", "own-thread"])
+def test_a_child_forked_while_planning_gets_its_collector_back(fork_inside):
+    """A process forked while a thread plans (a data loader's workers, a LocalCluster rank still
+    planning): the planning thread does not exist in the child, so nothing there would resume the
+    collector; the child's collector comes back once its own planners (if the forking thread was
+    one) are done."""
+    assert gc.isenabled()
+    assert _child_collector_state(fork_inside) == 0
+    assert gc.isenabled()

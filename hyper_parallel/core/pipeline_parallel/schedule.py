@@ -199,8 +199,14 @@ class PipelineSchedule:
             raise ValueError(
                 f"{cls.__name__} with {num_ranks} ranks needs at least {minimum} micro-batches, got {num_microbatches!r}"
             )
-        return plan_cache.generated((cls, num_ranks, num_chunks, num_microbatches),
-                                    lambda: cls._generate(num_ranks, num_chunks, num_microbatches))
+        def make() -> Schedule:
+            return cls._generate(num_ranks, num_chunks, num_microbatches)
+
+        # the library's generators are functions of (p, v, m): kept; a subclass's may read what it
+        # is given between builds (a table, a CSV file), so it is asked again every time
+        if not getattr(cls._generate, "__module__", "").startswith("hyper_parallel."):
+            return make()
+        return plan_cache.generated((cls, num_ranks, num_chunks, num_microbatches), make)
 
     @classmethod
     def _generate(cls, num_ranks: int, num_chunks: int, num_microbatches: int) -> Schedule:
