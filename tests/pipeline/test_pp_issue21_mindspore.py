@@ -1,6 +1,8 @@
 """Issue 21 corners on MindSpore LocalCluster (small: PyNative is slow): the MPipe recompute
 backward replays the owner's random state (dropout in the preprocess), T=0 takes nn.Identity, and
-ZB-H1 / ZB-V on stages with a gradient-scaling tensor hook match the non-pipelined model."""
+ZB-H1 / ZB-V on stages with a gradient-scaling tensor hook match the non-pipelined model, and a
+loss_fn Cell's own Parameter gets the non-pipelined gradient under 1F1B / ZB-H1 / ZB-V (engine and
+recompute paths), put back by a failed run."""
 
 from __future__ import annotations
 
@@ -186,3 +188,133 @@ def test_zero_bubble_with_a_gradient_scaling_hook_matches_the_non_pipelined_mode
     for name, g in got.items():
         np.testing.assert_allclose(g, ref[name], rtol=tol["rtol"], atol=tol["atol"] * max(float(np.abs(ref[name]).max()), 1.0),
                                    err_msg=name)
+
+
+# ------------------------------------------- a loss_fn Cell with its own trainable Parameter
+
+def _plain_stage(s: int):
+    """``tanh(x @ w + b)`` (no hooks)."""
+    from mindspore import nn, ops
+
+    class Plain(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            rng = np.random.default_rng(30 + s)
+            self.w = ms.Parameter(ms.Tensor((rng.standard_normal((D, D)) * 0.5).astype(np.float32)), name=f"w{s}")
+            self.b = ms.Parameter(ms.Tensor((rng.standard_normal(D) * 0.1).astype(np.float32)), name=f"b{s}")
+
+        def construct(self, x):
+            return ops.tanh(ops.matmul(x, self.w) + self.b)
+
+    return Plain()
+
+
+def _scaled_mse():
+    """A loss Cell with a trainable per-feature scale (reaches the loss through the stage output)."""
+    from mindspore import nn
+
+    class ScaledMSE(nn.Cell):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = ms.Parameter(ms.Tensor(np.array([1.5, -0.5, 0.75, 2.0], np.float32)), name="loss_scale")
+
+        def construct(self, out, target):
+            return ((out * self.scale - target) ** 2).mean()
+
+    return ScaledMSE()
+
+
+def _loss_rank(cls, chunks: int, autograd: str) -> dict[str, np.ndarray | None]:
+    p = get_platform()
+    assert p.autograd_mode == autograd
+    placement = cls.stage_placement(p.world_size, chunks)
+    stages = [PipelineStage(_plain_stage(s), s, len(placement)) for s, r in sorted(placement.items()) if r == p.rank]
+    loss = _scaled_mse()
+    schedule = cls(stages if len(stages) > 1 else stages[0], M, loss_fn=loss)
+    x, y = _zb_data()
+    last = any(st.is_last for st in stages)
+    schedule.run(ms.Tensor(x), target=ms.Tensor(y) if last else None)
+    out = {prm.name: p.to_numpy(p.get_grad(prm)).copy() for st in stages for prm in st.submodule.trainable_params()}
+    if last:
+        grad = p.get_grad(loss.scale)
+        out["loss_scale"] = None if grad is None else p.to_numpy(grad).copy()
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("autograd", ["engine", "recompute"])
+@pytest.mark.parametrize("cls_name, chunks", [("Schedule1F1B", 1), ("ScheduleInterleavedZeroBubble", 1),
+                                              ("ScheduleZBVZeroBubble", 2)], ids=["1F1B", "ZB-H1", "ZB-V"])
+def test_loss_fn_cell_parameter_gets_the_non_pipelined_gradient(cls_name, chunks, autograd, monkeypatch):
+    """The last stage's backward (full on 1F1B, the dx/dW split on ZB-H1 / ZB-V; engine and
+    recompute paths) differentiates the loss Cell's own Parameter too, scaled by 1/M like the
+    stages' gradients. Before the fix it got no gradient at all."""
+    import hyper_parallel
+
+    monkeypatch.setenv("HYPER_PARALLEL_MS_AUTOGRAD", autograd)
+    cls = getattr(hyper_parallel, cls_name)
+    results = LocalCluster(2, platform="mindspore").run(_loss_rank, cls, chunks, autograd)
+    cells = [_plain_stage(s) for s in range(2 * chunks)]
+    loss = _scaled_mse()
+    params = [prm for c in cells for prm in c.trainable_params()] + [loss.scale]
+    x, y = _zb_data()
+
+    def total():
+        out = 0.0
+        for i in range(M):
+            h = ms.Tensor(x[i * PER:(i + 1) * PER])
+            for cell in cells:
+                h = cell(h)
+            out = out + loss(h, ms.Tensor(y[i * PER:(i + 1) * PER])) / M
+        return out
+
+    ref = {prm.name: g.asnumpy() for prm, g in zip(params, ms.grad(total, None, weights=params)())}
+    got = {name: g for r in results for name, g in r.items()}
+    assert set(got) == set(ref)
+    assert got["loss_scale"] is not None, "the loss_fn Cell's Parameter got no gradient"
+    tol = TOL["mindspore"]
+    for name, g in got.items():
+        np.testing.assert_allclose(g, ref[name], rtol=tol["rtol"], atol=tol["atol"] * max(float(np.abs(ref[name]).max()), 1.0),
+                                   err_msg=name)
+
+
+
+def _run_then_fail(cls_name: str) -> bool | None:
+    """One good step, then one whose loss raises at its third call (after earlier micro-batches'
+    backwards accumulated into the loss Cell's Parameter): the failed run must put the good step's
+    gradient back. ``None`` on the rank without the loss."""
+    import hyper_parallel
+
+    p = get_platform()
+    stage = PipelineStage(_plain_stage(p.rank), p.rank, p.world_size)
+    loss = _scaled_mse()
+    schedule = getattr(hyper_parallel, cls_name)(stage, M, loss_fn=loss)
+    x, y = (ms.Tensor(a) for a in _zb_data())
+    target = y if stage.is_last else None
+    schedule.run(x, target=target)
+    if not stage.is_last:
+        with pytest.raises(Exception):
+            schedule.run(x)
+        return None
+    before = p.get_grad(loss.scale)
+    assert before is not None, "the loss_fn Cell's Parameter got no gradient"
+    before = p.to_numpy(before).copy()
+    calls, inner = [], loss.construct
+
+    def failing(out, tgt):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("injected failure in the loss")
+        return inner(out, tgt)
+
+    loss.construct = failing
+    with pytest.raises(Exception):
+        schedule.run(x, target=target)
+    return bool(np.array_equal(p.to_numpy(p.get_grad(loss.scale)), before))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cls_name", ["Schedule1F1B", "ScheduleInterleavedZeroBubble"], ids=["1F1B", "ZB-H1"])
+def test_a_failed_run_restores_the_loss_cell_parameter_gradient(cls_name):
+    results = LocalCluster(2, platform="mindspore", timeout=60).run(_run_then_fail, cls_name)
+    assert results == [None, True]

@@ -264,6 +264,9 @@ class PipelineRuntime:
             return (loss_fn(out, target), *flat)
 
         with_loss.__wrapped__ = module  # type: ignore[attr-defined]  # lets backends see the module
+        # and the loss: MindSpore differentiates with respect to a list of parameters, so its backend
+        # adds a loss_fn Cell's own (torch's backward reaches every trainable leaf by itself)
+        with_loss.hyper_parallel_loss_fn = loss_fn  # type: ignore[attr-defined]
         return with_loss
 
     def forward(self, s: int, i: int, step: MetaStep | None = None) -> None:

@@ -50,7 +50,9 @@ runs in both steps, and each executed backward node costs tens of microseconds b
 arithmetic); the engine split wins as stages grow (GPT stage of ``benchmarks/autograd_split_cost.py``:
 see its results table and ``docs/zero_bubble.md``).
 
-Parameter gradients accumulate, for both paths, in the engine's per-parameter slot
+The parameters differentiated are the stage's plus, on the last stage, the trainable ones of a
+``loss_fn`` Cell (``with_loss_params``; the platform's stage runner adds them). Parameter gradients
+accumulate, for both paths, in the engine's per-parameter slot
 ``param._grad`` (``None`` when there is none), which ``MindSporePlatform.get_grad`` reads; a
 parameter no output reaches keeps ``None`` on the engine path and gets zeros on the recompute path.
 Input gradients: one per positional argument; ``None`` for arguments not flagged in ``grad_args``
@@ -159,6 +161,22 @@ _JIT_CELLS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 def _trainable(params: Sequence[Any]) -> tuple[Any, ...]:
     """Parameters that take gradients (one frozen after the stage was built is left out)."""
     return tuple(p for p in params if getattr(p, "requires_grad", True))
+
+
+def with_loss_params(fn: Any, params: Sequence[Any]) -> tuple[Any, ...]:
+    """``params`` and, for the pipeline's last-stage closure (it names its loss with
+    ``hyper_parallel_loss_fn``, found through ``__wrapped__``), the trainable parameters of a
+    ``loss_fn`` Cell that are not among them: the backward differentiates with respect to exactly
+    these, so without them a loss Cell's own parameters would get no gradient."""
+    loss = None
+    while loss is None and fn is not None and not isinstance(fn, ms.nn.Cell):
+        loss = getattr(fn, "hyper_parallel_loss_fn", None)
+        fn = getattr(fn, "__wrapped__", None)
+    params = tuple(params)
+    if not isinstance(loss, ms.nn.Cell):
+        return params
+    seen = {id(p) for p in params}
+    return params + tuple(p for p in _trainable(loss.trainable_params()) if id(p) not in seen)
 
 
 def uses_jit(fn: Any) -> bool:

@@ -241,7 +241,10 @@ class StageRunner:
         return self.compile_mode == "jit" or (self.compile_mode == "auto" and is_graph_mode(user_mode))
 
     def forward(self, fn: Callable[..., Any], args: Any, kwargs: dict[str, Any], params: Any, grad_args: Any) -> Any:
+        from hyper_parallel.platform.mindspore.autograd import with_loss_params
+
         backend = self.backend
+        params = with_loss_params(fn, params)  # before route(): it drops the closure's attributes
         with PyNativeScope() as user_mode:
             compiled = False
             if self.compiles(user_mode):
