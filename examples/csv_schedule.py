@@ -15,6 +15,7 @@ It prints the schedule as a chart and the last stage's loss of each step.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -114,4 +115,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 if __name__ == "__main__":
     main()
     if torch.distributed.is_initialized():
+        gc.collect()  # free gloo work objects left in reference cycles while the group lives
         torch.distributed.destroy_process_group()

@@ -15,6 +15,7 @@ its stages (which pieces, how many parameters) at the start.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -154,5 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     main()
     if torch.distributed.is_initialized():
+        # free what the run left in reference cycles (gloo work objects among them) while the process
+        # group still lives: gloo aborts a process whose work objects are freed during interpreter exit
+        gc.collect()
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

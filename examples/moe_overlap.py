@@ -32,6 +32,7 @@ loss of every step, and then the all-to-all time per step of each:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -313,5 +314,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 if __name__ == "__main__":
     main()
     if dist.is_initialized():
+        gc.collect()  # free gloo work objects left in reference cycles while the group lives
         dist.barrier()
         dist.destroy_process_group()

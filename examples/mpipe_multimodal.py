@@ -17,6 +17,7 @@ the simulator predicts for the same shape of job, and the warm-up time MPipe sav
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     RESULT = main()
     if torch.distributed.is_initialized():
+        gc.collect()  # free gloo work objects left in reference cycles while the group lives
         torch.distributed.destroy_process_group()
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # Started by torchrun: leave without the interpreter's teardown, in which gloo jobs of this

@@ -15,6 +15,7 @@ sharded between steps, and the peak during a step (sampled before every layer's 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -143,5 +144,6 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     main()
     if torch.distributed.is_initialized():
+        gc.collect()  # free gloo work objects left in reference cycles while the group lives
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
