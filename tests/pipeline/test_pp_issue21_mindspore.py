@@ -144,6 +144,21 @@ def _zb_data() -> tuple[np.ndarray, np.ndarray]:
     return (rng.standard_normal((M * PER, D)).astype(np.float32), rng.standard_normal((M * PER, D)).astype(np.float32))
 
 
+def _reference_grads(cells, loss, params, x, y):
+    """The non-pipelined gradients: every micro-batch through all cells, mean of the M losses."""
+
+    def total():
+        out = 0.0
+        for i in range(M):
+            h = ms.Tensor(x[i * PER:(i + 1) * PER])
+            for cell in cells:
+                h = cell(h)
+            out = out + loss(h, ms.Tensor(y[i * PER:(i + 1) * PER])) / M
+        return out
+
+    return {prm.name: g.asnumpy() for prm, g in zip(params, ms.grad(total, None, weights=params)())}
+
+
 def _zb_rank(cls, chunks: int, calls: list[int]) -> dict[str, np.ndarray]:
     p = get_platform()
     placement = cls.stage_placement(p.world_size, chunks)
@@ -172,16 +187,7 @@ def test_zero_bubble_with_a_gradient_scaling_hook_matches_the_non_pipelined_mode
     params = [prm for c in cells for prm in c.trainable_params()]
     x, y = _zb_data()
 
-    def total():
-        out = 0.0
-        for i in range(M):
-            h = ms.Tensor(x[i * PER:(i + 1) * PER])
-            for cell in cells:
-                h = cell(h)
-            out = out + mse(h, ms.Tensor(y[i * PER:(i + 1) * PER])) / M
-        return out
-
-    ref = {prm.name: g.asnumpy() for prm, g in zip(params, ms.grad(total, None, weights=params)())}
+    ref = _reference_grads(cells, mse, params, x, y)
     got = {name: g for r in results for name, g in r.items()}
     assert set(got) == set(ref)
     tol = TOL["mindspore"]
@@ -259,16 +265,7 @@ def test_loss_fn_cell_parameter_gets_the_non_pipelined_gradient(cls_name, chunks
     params = [prm for c in cells for prm in c.trainable_params()] + [loss.scale]
     x, y = _zb_data()
 
-    def total():
-        out = 0.0
-        for i in range(M):
-            h = ms.Tensor(x[i * PER:(i + 1) * PER])
-            for cell in cells:
-                h = cell(h)
-            out = out + loss(h, ms.Tensor(y[i * PER:(i + 1) * PER])) / M
-        return out
-
-    ref = {prm.name: g.asnumpy() for prm, g in zip(params, ms.grad(total, None, weights=params)())}
+    ref = _reference_grads(cells, loss, params, x, y)
     got = {name: g for r in results for name, g in r.items()}
     assert set(got) == set(ref)
     assert got["loss_scale"] is not None, "the loss_fn Cell's Parameter got no gradient"
