@@ -38,9 +38,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper, swap_wrapper  # noqa: E402
-from hyper_parallel.core.pipeline_parallel.memory_stats import track_memory  # noqa: E402
+from hyper_parallel.core.pipeline_parallel.features.memory_stats import track_memory  # noqa: E402
 from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B  # noqa: E402
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage  # noqa: E402
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage  # noqa: E402
 from hyper_parallel.demo.gpt import GPTConfig, init_gpt_weights  # noqa: E402
 from hyper_parallel.platform import get_platform  # noqa: E402
 from hyper_parallel.platform.local import LocalCluster  # noqa: E402

@@ -88,7 +88,7 @@ def theory(name: str, m: int) -> list[float]:
     if name == "Schedule1F1B":
         return [float(min(m, P - r)) for r in range(P)]
     import hyper_parallel as hp
-    from hyper_parallel.core.pipeline_parallel.simulate import simulate_schedule
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate_schedule
 
     _, result = simulate_schedule(getattr(hp, name), P, 2, m, lowered=False)
     return [float(result.peak_activations[r]) for r in range(P)]

@@ -128,8 +128,8 @@ def ideal_makespan_ms(name: str, m: int, scale: float = 1.0, latency_ms: float =
     """The schedule simulated with the sleep costs: free communication by default; with this
     machine's one-way message latency and the time each ``time.sleep`` overshoots, the best any
     runtime can do here (a chunk's F sleeps once, its B twice, its I and W once each)."""
-    from hyper_parallel.core.pipeline_parallel.costs import CostModel
-    from hyper_parallel.core.pipeline_parallel.simulate import simulate_schedule
+    from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate_schedule
 
     v = SCHEDULES[name][0]
     extra = sleep_extra_ms * v  # per_rank_share divides a rank's share over its v chunks

@@ -24,7 +24,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from hyper_parallel.core.pipeline_parallel.mpipe_model import compare_warmup  # noqa: E402
+from hyper_parallel.core.pipeline_parallel.features.mpipe.model import compare_warmup  # noqa: E402
 
 MODES = {  # name -> options of the simulation
     "frozen": dict(trainable=False),

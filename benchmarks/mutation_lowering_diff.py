@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mutation_audit as ma  # noqa: E402
 
 from hyper_parallel.core.pipeline_parallel import lowering  # noqa: E402
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement, v_placement  # noqa: E402
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement, v_placement  # noqa: E402
 from hyper_parallel.core.pipeline_parallel.schedules import (  # noqa: E402
     generate_1f1b,
     generate_dualpipe_v,

@@ -63,11 +63,11 @@ def plan_ours(name: str, p: int, v: int, m: int, transport: str) -> dict[str, An
     import contextlib
 
     import hyper_parallel.core.pipeline_parallel as pp
-    from hyper_parallel.core.pipeline_parallel.lowering import lower
-    from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
+    from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+    from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_lowered
 
     try:
-        from hyper_parallel.core.pipeline_parallel.gc_pause import paused_gc
+        from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc
     except ImportError:  # --lib: a version from before the pause
         paused_gc = contextlib.nullcontext
     cls = getattr(pp, name)

@@ -111,9 +111,9 @@ def _picture_worker(m: int, out: str) -> None:
 
 def _picture(path: str, m: int) -> str:
     from hyper_parallel.core.pipeline_parallel.schedules.one_f_one_b import generate_1f1b
-    from hyper_parallel.core.pipeline_parallel.simulate import simulate
-    from hyper_parallel.core.pipeline_parallel.trace import compare, convert, costs_from_records
-    from hyper_parallel.core.pipeline_parallel.visualize import plot_timelines
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate
+    from hyper_parallel.core.pipeline_parallel.tools.trace import compare, convert, costs_from_records
+    from hyper_parallel.core.pipeline_parallel.tools.visualize import plot_timelines
 
     import json
     import socket

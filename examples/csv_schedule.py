@@ -51,9 +51,9 @@ def schedule_class_from_csv(path: str, chunks: int = 1) -> type[hp.PipelineSched
 
 def chart(path: str) -> str:
     """The file's schedule simulated with a forward of 1 and a backward of 2 time units, as a chart."""
-    from hyper_parallel.core.pipeline_parallel.costs import CostModel
-    from hyper_parallel.core.pipeline_parallel.simulate import simulate
-    from hyper_parallel.core.pipeline_parallel.visualize import ascii_chart
+    from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate
+    from hyper_parallel.core.pipeline_parallel.tools.visualize import ascii_chart
 
     steps = load_schedule_csv(path)
     placement = {rank: rank for rank in steps}  # one stage per rank

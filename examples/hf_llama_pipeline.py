@@ -25,7 +25,7 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hyper_parallel as hp
-from hyper_parallel.core.pipeline_parallel.split_layers import split_layers
+from hyper_parallel.core.pipeline_parallel.tools.split_layers import split_layers
 
 
 def make_config(args: argparse.Namespace) -> LlamaConfig:

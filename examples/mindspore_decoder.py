@@ -34,7 +34,7 @@ import numpy as np
 from mindspore import nn, ops
 
 import hyper_parallel as hp
-from hyper_parallel.core.pipeline_parallel.split_layers import split_layers
+from hyper_parallel.core.pipeline_parallel.tools.split_layers import split_layers
 
 
 class Embed(nn.Cell):

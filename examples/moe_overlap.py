@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 import hyper_parallel as hp
-from hyper_parallel.core.pipeline_parallel.overlap import CommComputeOverlap
+from hyper_parallel.core.pipeline_parallel.features.overlap import CommComputeOverlap
 
 PP, EP = 2, 2
 CHUNKS = 2

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import hyper_parallel as hp
-from hyper_parallel.core.pipeline_parallel.mpipe_model import compare_warmup
+from hyper_parallel.core.pipeline_parallel.features.mpipe.model import compare_warmup
 
 
 class VisionEncoder(nn.Module):

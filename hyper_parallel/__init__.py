@@ -67,7 +67,7 @@ __all__ += ["CheckpointError", "clip_grad_norm_", "data_parallel", "fully_shard"
             "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 # overlapping communication with compute (the overlap_b_f hooks)
-from hyper_parallel.core.pipeline_parallel.overlap import (  # noqa: E402
+from hyper_parallel.core.pipeline_parallel.features.overlap import (  # noqa: E402
     CommComputeOverlap,
     HookCoordinator,
     HookRole,

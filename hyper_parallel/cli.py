@@ -46,9 +46,9 @@ def _int_at_least(low: int) -> Any:
 
 
 def _chart_text(schedule: str, ranks: int, chunks: int, micro_batches: int) -> str:
-    from hyper_parallel.core.pipeline_parallel.costs import CostModel
-    from hyper_parallel.core.pipeline_parallel.simulate import simulate
-    from hyper_parallel.core.pipeline_parallel.visualize import ascii_chart
+    from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate
+    from hyper_parallel.core.pipeline_parallel.tools.visualize import ascii_chart
     from hyper_parallel.demo import SCHEDULES
 
     schedule_class = SCHEDULES[schedule][0]

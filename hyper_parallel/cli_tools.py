@@ -88,7 +88,7 @@ def _print_json(data: Any) -> None:
 
 
 def _load_costs(parser: argparse.ArgumentParser, path: str | None) -> Any:
-    from hyper_parallel.core.pipeline_parallel.costs import load_costs
+    from hyper_parallel.core.pipeline_parallel.simulation.costs import load_costs
 
     if path is None:
         return None
@@ -102,11 +102,11 @@ def _load_costs(parser: argparse.ArgumentParser, path: str | None) -> Any:
 
 
 def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from hyper_parallel.core.pipeline_parallel.catalog import chunk_range, default_chunks, resolve_schedule
-    from hyper_parallel.core.pipeline_parallel.costs import CostModel
-    from hyper_parallel.core.pipeline_parallel.simulate import simulate_schedule
-    from hyper_parallel.core.pipeline_parallel.validate import ScheduleError
-    from hyper_parallel.core.pipeline_parallel.visualize import ascii_chart
+    from hyper_parallel.core.pipeline_parallel.tools.catalog import chunk_range, default_chunks, resolve_schedule
+    from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate_schedule
+    from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError
+    from hyper_parallel.core.pipeline_parallel.tools.visualize import ascii_chart
 
     try:
         name, cls = resolve_schedule(args.schedule)
@@ -141,7 +141,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.measured:
         measured, measured_facts = _read_trace(parser, args.measured, "--measured", with_facts=True)
     if args.trace:
-        from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
+        from hyper_parallel.core.pipeline_parallel.tools.visualize import write_chrome_trace
 
         write_chrome_trace(args.trace, result, measured, measured_facts=measured_facts)
     if args.png:
@@ -150,7 +150,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     summary = {"schedule": name, "class": plan.name, "ranks": args.ranks, "chunks": plan.num_chunks,
                "micro_batches": args.micro_batches, "costs": args.costs, **result.summary()}
     if measured is not None:
-        from hyper_parallel.core.pipeline_parallel.trace import compare
+        from hyper_parallel.core.pipeline_parallel.tools.trace import compare
 
         summary["compare"] = compare(measured, result.records)
     if args.json:
@@ -198,7 +198,7 @@ def _compare_text(report: dict[str, Any]) -> str:
 def _read_trace(parser: argparse.ArgumentParser, path: str, option: str, with_facts: bool = False) -> Any:
     """The run (else the only part, else the first) of a trace file; with ``with_facts`` also what
     its ``otherData`` says of that part (`trace.load_trace_facts`)."""
-    from hyper_parallel.core.pipeline_parallel.trace import load_trace, load_trace_facts
+    from hyper_parallel.core.pipeline_parallel.tools.trace import load_trace, load_trace_facts
 
     try:
         parts = load_trace(path)
@@ -211,7 +211,7 @@ def _read_trace(parser: argparse.ArgumentParser, path: str, option: str, with_fa
 
 
 def _plot(parser: argparse.ArgumentParser, path: str, panels: list, title: str) -> None:
-    from hyper_parallel.core.pipeline_parallel.visualize import plot_timelines
+    from hyper_parallel.core.pipeline_parallel.tools.visualize import plot_timelines
 
     try:
         plot_timelines(path, panels, title)
@@ -225,8 +225,8 @@ def _plot(parser: argparse.ArgumentParser, path: str, panels: list, title: str) 
 
 
 def _visualize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from hyper_parallel.core.pipeline_parallel.trace import compare, load_trace, load_trace_facts
-    from hyper_parallel.core.pipeline_parallel.visualize import ascii_chart, result_from_records
+    from hyper_parallel.core.pipeline_parallel.tools.trace import compare, load_trace, load_trace_facts
+    from hyper_parallel.core.pipeline_parallel.tools.visualize import ascii_chart, result_from_records
 
     try:
         parts = load_trace(args.trace)
@@ -294,8 +294,8 @@ def load_profile_script(path: str, entry: str, num_stages: int | None) -> dict[s
 
 
 def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from hyper_parallel.core.pipeline_parallel.costs import CostModel, save_costs
-    from hyper_parallel.core.pipeline_parallel.profile import profile_stages
+    from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, save_costs
+    from hyper_parallel.core.pipeline_parallel.tools.profile import profile_stages
     from hyper_parallel.platform import platform_class
 
     try:
@@ -342,8 +342,8 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from hyper_parallel.core.pipeline_parallel.catalog import available_schedules, resolve_schedule
-    from hyper_parallel.core.pipeline_parallel.tune import format_table, tune
+    from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, resolve_schedule
+    from hyper_parallel.core.pipeline_parallel.tools.tune import format_table, tune
 
     costs = _load_costs(parser, args.costs)
     schedules = available_schedules()
@@ -366,7 +366,7 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print("hyper-parallel tune: --save-order: the choice is a library schedule, not a searched order "
                   "(nothing written)", file=sys.stderr)
         else:
-            from hyper_parallel.core.pipeline_parallel.schedule_csv import save_schedule_csv
+            from hyper_parallel.core.pipeline_parallel.ir.schedule_csv import save_schedule_csv
 
             save_schedule_csv(args.save_order, result.best.order)
     if args.json:
@@ -389,7 +389,7 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _partition(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from hyper_parallel.core.pipeline_parallel.partition import balanced_ranges, rank_ranges
+    from hyper_parallel.core.pipeline_parallel.simulation.partition import balanced_ranges, rank_ranges
 
     if (args.costs is None) == (args.layer_costs is None):
         parser.error("give exactly one of --costs and --layer-costs")
@@ -406,7 +406,7 @@ def _partition(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
             part = rank_ranges(values, args.ranks, args.chunks, args.placement)
     except ValueError as exc:
         parser.error(str(exc))
-    from hyper_parallel.core.pipeline_parallel.partition import stage_owners
+    from hyper_parallel.core.pipeline_parallel.simulation.partition import stage_owners
 
     owners = stage_owners(args.ranks, args.chunks, args.placement)
     data = {"ranges": [list(r) for r in part.ranges], "layers_per_stage": part.layer_counts(),
@@ -443,7 +443,7 @@ def _dryrun(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     plan = report.check.get("plan")
     traced = [r for rank in report.ranks for r in rank.trace]
     if args.trace:
-        from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
+        from hyper_parallel.core.pipeline_parallel.tools.visualize import write_chrome_trace
 
         if traced:
             write_chrome_trace(args.trace, plan, traced, measured_facts=report.trace_facts())
@@ -485,7 +485,7 @@ def _dryrun(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def add_tool_commands(sub: Any, formatter: Any) -> None:
     """Add the tool subcommands to the ``hyper-parallel`` parser's subparsers."""
-    from hyper_parallel.core.pipeline_parallel.lowering import TRANSPORTS  # no framework import
+    from hyper_parallel.core.pipeline_parallel.lowering.p2p import TRANSPORTS  # no framework import
 
     p = sub.add_parser("simulate", formatter_class=formatter,
                        help="simulate a schedule: chart, makespan, bubbles, peak activations",

@@ -14,7 +14,7 @@ While it runs, the dry run watches (without changing what the script computes):
 - every stage forward/backward through the rank's platform: how many forwards are held and,
   where the backend can tell (torch), their saved activation bytes, over time;
 - the runtime's step trace, when the schedule object offers one: a ``tracer`` attribute
-  holding a `StepTracer` (``tracing.py``) is enabled before each ``run`` and read after it.
+  holding a `StepTracer` (``runtime/tracing.py``) is enabled before each ``run`` and read after it.
   Every rank's records count from one origin (the first traced run's time 0), later runs
   placed after it on the same clock. Until the runtime records steps, the trace is the
   simulated plan of what ran.
@@ -183,7 +183,7 @@ def _schedule_facts(schedule: Any) -> dict[str, Any]:
 
 def _install_schedule_hooks(reports: dict[int, RankReport]) -> Any:
     from hyper_parallel.core.pipeline_parallel.schedule import PipelineSchedule
-    from hyper_parallel.core.pipeline_parallel.tracing import StepTracer
+    from hyper_parallel.core.pipeline_parallel.runtime.tracing import StepTracer
     from hyper_parallel.platform import get_platform
 
     original_run = PipelineSchedule.run
@@ -257,9 +257,9 @@ def dry_run(script: str, world_size: int, platform: str = "torch", argv: Sequenc
 
 def check_schedules(report: DryRunReport) -> dict[str, Any]:
     """Validate and simulate the lowered lists of the first schedule every rank ran."""
-    from hyper_parallel.core.pipeline_parallel.ir import MetaStep
-    from hyper_parallel.core.pipeline_parallel.simulate import simulate
-    from hyper_parallel.core.pipeline_parallel.validate import ScheduleError, validate_lowered
+    from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate
+    from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError, validate_lowered
 
     firsts = [r.schedules[0] for r in report.ranks if r.schedules]
     if not firsts:

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO_ROOT
 
 from hyper_parallel.cli import main
-from hyper_parallel.core.pipeline_parallel.trace import causality_violations, load_trace
+from hyper_parallel.core.pipeline_parallel.tools.trace import causality_violations, load_trace
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "pipeline_mlp.py")
 
@@ -151,7 +151,7 @@ def test_tune_prints_a_table_and_json(capsys, tmp_path):
     code, out, _ = run(capsys, ["tune", "--costs", str(costs), "--memory-limit", "1000", "--global-batch", "16",
                                 "-p", "4", "--schedules", "1f1b", "--search", "--save-order", str(order)])
     assert code == 0 and "choice: search-" in out
-    from hyper_parallel.core.pipeline_parallel.schedule_csv import load_schedule_csv
+    from hyper_parallel.core.pipeline_parallel.ir.schedule_csv import load_schedule_csv
 
     assert sorted(load_schedule_csv(order)) == [0, 1, 2, 3]
 
@@ -456,7 +456,7 @@ def test_visualize_with_a_simulated_plan_given_by_plan_keeps_its_peak_activation
 def test_visualize_of_a_dryrun_trace_counts_the_peaks_of_a_rank_the_watchers_did_not_see(capsys, tmp_path):
     # MindSpore's dry run of examples/mindspore_decoder.py watches no stage call ("peak 0 forward(s)"):
     # its 0 must not replace the peak that the records show
-    from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
+    from hyper_parallel.core.pipeline_parallel.tools.visualize import write_chrome_trace
     from hyper_parallel.dryrun import DryRunReport, RankReport
 
     steps = ["F.s{r}.m0", "F.s{r}.m1", "B.s{r}.m0", "B.s{r}.m1"]
@@ -473,7 +473,7 @@ def test_visualize_of_a_dryrun_trace_counts_the_peaks_of_a_rank_the_watchers_did
 
 
 def test_simulate_measured_and_trace_keeps_what_the_measured_file_knew_of_its_run(capsys, tmp_path):
-    from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
+    from hyper_parallel.core.pipeline_parallel.tools.visualize import write_chrome_trace
 
     steps = ["F.s{r}.m0", "F.s{r}.m1", "B.s{r}.m0", "B.s{r}.m1"]
     records = [{"rank": r, "step": s.format(r=r), "kind": "compute", "start": k * 1e-3, "end": (k + 1) * 1e-3}

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "benchmarks", "mutation_audit.py")
-MODULE = "hyper_parallel/core/pipeline_parallel/shared_params.py"
+MODULE = "hyper_parallel/core/pipeline_parallel/runtime/shared_params.py"
 TESTS = "tests/pipeline/test_pp_tied_one_rank_two_holders.py::test_tie_held_twice_on_one_non_owner_rank_over_several_runs"
 
 

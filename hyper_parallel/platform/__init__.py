@@ -16,11 +16,11 @@ from hyper_parallel.platform.base import (
     P2POp,
     Platform,
 )
+from hyper_parallel.platform.thread_binding import bind_thread_platform, thread_platform
 
 PLATFORM_NAMES = ("torch", "mindspore")
 _logger = logging.getLogger("hyper_parallel")
 _global_platform: Platform | None = None
-_thread_state = threading.local()
 _running_local_clusters = 0  # LocalCluster.run calls in progress (see get_platform)
 _count_lock = threading.Lock()
 
@@ -78,7 +78,7 @@ def _choose_name() -> tuple[str, str]:
 
 def get_platform() -> Platform:
     """The platform of the calling rank (a LocalCluster rank's own, else the process-wide one)."""
-    local = getattr(_thread_state, "platform", None)
+    local = thread_platform()
     if local is not None:
         return local
     if _running_local_clusters and threading.current_thread() is not threading.main_thread():
@@ -110,11 +110,6 @@ def set_platform(platform: str | Platform | None) -> Platform | None:
         raise TypeError(f"set_platform expects a name or a Platform, got {type(platform).__name__}")
     _global_platform = platform
     return platform
-
-
-def bind_thread_platform(platform: Platform | None) -> None:
-    """Make ``get_platform()`` return ``platform`` in the calling thread (LocalCluster ranks)."""
-    _thread_state.platform = platform
 
 
 def local_cluster_running(delta: int) -> None:

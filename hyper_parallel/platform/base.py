@@ -21,6 +21,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from hyper_parallel.platform.thread_binding import bind_thread_platform
+
 REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
 
 
@@ -437,8 +439,6 @@ class Platform(ABC):
         communication works as on the calling thread (see :meth:`Communicator.run_threads`).
         Targets must not raise.
         """
-        from hyper_parallel.platform import bind_thread_platform
-
         state = self._thread_state()
 
         def wrap(target: Callable[[], None]) -> Callable[[], None]:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hyper_parallel import DTensor, Partial, PipelineStage, Replicate, Schedule1F1B, Shard, init_device_mesh
-from hyper_parallel.core.pipeline_parallel.dtensor_boundary import layout_meta
-from hyper_parallel.core.pipeline_parallel.meta import LayoutMeta, TensorMeta, decode_meta, encode_meta
+from hyper_parallel.core.pipeline_parallel.runtime.dtensor_boundary import layout_meta
+from hyper_parallel.core.pipeline_parallel.runtime.meta import LayoutMeta, TensorMeta, decode_meta, encode_meta
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster
 
@@ -143,7 +143,7 @@ def test_layout_block_round_trips_through_the_metadata_encoding():
 
 def test_layout_meta_of_a_layout_and_a_missing_mesh_is_named():
     from hyper_parallel import Layout
-    from hyper_parallel.core.pipeline_parallel.dtensor_boundary import resolve_layout
+    from hyper_parallel.core.pipeline_parallel.runtime.dtensor_boundary import resolve_layout
 
     base = Layout((2, 2), ("dp", "tp"))
     meta = layout_meta(base("tp", "None").with_partial("dp"))

@@ -6,9 +6,9 @@ import pytest
 
 from hyper_parallel import MetaStep
 from hyper_parallel.core.fully_shard.window import insert_all, insert_steps
-from hyper_parallel.core.pipeline_parallel.lowering import lower
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
 from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
+from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_lowered
 
 
 def _steps(text: str) -> list[MetaStep]:

@@ -16,9 +16,9 @@ import numpy as np
 from pp_harness import SCHEDULES, models
 
 from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper, is_recomputing, swap_wrapper
-from hyper_parallel.core.pipeline_parallel.memory_stats import memory_stats, track_memory
+from hyper_parallel.core.pipeline_parallel.features.memory_stats import memory_stats, track_memory
 from hyper_parallel.core.pipeline_parallel.schedule import ScheduleInterleaved1F1B
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import (
     ScheduleDualPipeV,
     ScheduleInterleavedZeroBubble,

@@ -19,7 +19,7 @@ import torch
 from pp_harness import batch, models, small_config
 
 from hyper_parallel import MetaStepType, PipelineStage, Schedule1F1B
-from hyper_parallel.core.pipeline_parallel.meta import TensorMeta, encode_meta
+from hyper_parallel.core.pipeline_parallel.runtime.meta import TensorMeta, encode_meta
 from hyper_parallel.demo.gpt import init_gpt_weights
 from hyper_parallel.platform import get_platform
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.platform import get_platform
 
 WIDTH = 6

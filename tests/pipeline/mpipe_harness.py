@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from hyper_parallel.core.pipeline_parallel.mpipe import ScheduleMPipeTranspose
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.features.mpipe.transpose import ScheduleMPipeTranspose
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.platform import get_platform
 
 WIDTH, VOCAB, SEQ = 6, 5, 3

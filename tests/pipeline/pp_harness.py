@@ -20,7 +20,7 @@ from hyper_parallel.core.pipeline_parallel.schedule import (
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.platform import get_platform
 from hyper_parallel.demo.gpt import TIED_PARAMS, GPTConfig, init_gpt_weights
 

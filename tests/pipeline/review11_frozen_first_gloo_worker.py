@@ -15,7 +15,7 @@ from gloo_exit import run_and_leave, write_rank_result
 from torch import nn
 
 from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B, ScheduleGPipe
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.platform import get_platform
 
 WIDTH, ROWS, MICRO, RUNS = 256, 32, 8, 3

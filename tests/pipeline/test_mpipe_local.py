@@ -8,8 +8,8 @@ from mpipe_gloo_worker import CASES as GLOO_CASES
 from mpipe_gloo_worker import P as GLOO_P
 from mpipe_harness import TOL, Case, check, data, missing_combinations, mse, run_case, torch_modules, torch_oracle
 
-from hyper_parallel.core.pipeline_parallel.mpipe import ScheduleMPipeTranspose
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.features.mpipe.transpose import ScheduleMPipeTranspose
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster, RankFailedError
 

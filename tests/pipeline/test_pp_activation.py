@@ -9,7 +9,7 @@ from activation_harness import ACT_SCHEDULES, ActJob, layer_ranges, run_act_job
 from pp_harness import batch, check_against_oracle, full_model_oracle, merged, small_config
 
 from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.platform.local import LocalCluster
 
 pytestmark = pytest.mark.timeout(600)
@@ -232,7 +232,7 @@ def test_peak_saved_bytes_are_m_forwards_worth_under_gpipe():
         import torch
         from pp_harness import models
 
-        from hyper_parallel.core.pipeline_parallel.memory_stats import track_memory
+        from hyper_parallel.core.pipeline_parallel.features.memory_stats import track_memory
         from hyper_parallel.core.pipeline_parallel.schedule import ScheduleGPipe
         from hyper_parallel.demo.gpt import init_gpt_weights
         from hyper_parallel.platform import get_platform

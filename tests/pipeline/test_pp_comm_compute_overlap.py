@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.overlap import CommComputeOverlap, OverlapError
+from hyper_parallel.core.pipeline_parallel.features.overlap import CommComputeOverlap, OverlapError
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster
 
@@ -431,7 +431,7 @@ def test_schedule_switches_must_be_bools(name, value):
 
 @pytest.mark.parametrize("name", ["dyn_shape", "free_sent_outputs"])
 def test_stage_switches_must_be_bools(name):
-    from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+    from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 
     def body():
         import torch

@@ -11,9 +11,9 @@ import torch
 from mlp_harness import MLPStage, batch, mse, weights
 from mpipe_harness import TOL, Case, check, data, torch_modules
 
-from hyper_parallel.core.pipeline_parallel.mpipe import ScheduleMPipeTranspose
+from hyper_parallel.core.pipeline_parallel.features.mpipe.transpose import ScheduleMPipeTranspose
 from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster, RankFailedError
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from mpipe_harness import TOL, Case, check, data, mindspore_modules, mse
 
-from hyper_parallel.core.pipeline_parallel.mpipe import ScheduleMPipeTranspose
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.features.mpipe.transpose import ScheduleMPipeTranspose
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster
 

@@ -18,15 +18,15 @@ import pytest
 import torch
 from mlp_harness import WIDTH, MatrixJob, MLPStage, batch, check, mse, oracle, run_matrix_job, weights
 
-from hyper_parallel.core.pipeline_parallel.agreement import gather_and_check
+from hyper_parallel.core.pipeline_parallel.runtime.agreement import gather_and_check
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep
-from hyper_parallel.core.pipeline_parallel.runtime import StageError
+from hyper_parallel.core.pipeline_parallel.runtime.executor import StageError
 from hyper_parallel.core.pipeline_parallel.schedule import (
     Schedule1F1B,
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import ScheduleInterleavedZeroBubble
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster, RankFailedError

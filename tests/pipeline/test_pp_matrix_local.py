@@ -12,7 +12,7 @@ import itertools
 import pytest
 from mlp_harness import MatrixJob, check, run_matrix_job
 
-from hyper_parallel.core.pipeline_parallel.catalog import available_schedules, chunk_range
+from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, chunk_range
 from hyper_parallel.core.pipeline_parallel.schedule import (
     Schedule1F1B,
     ScheduleGPipe,

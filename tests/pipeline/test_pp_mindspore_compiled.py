@@ -285,7 +285,7 @@ def _overlap_schedule(name: str, switch_to_graph: bool) -> str:
     """Build ``name`` with a CommComputeOverlap on this rank; with ``switch_to_graph`` build it in
     PyNative, then run it under GRAPH_MODE. Returns "built" or the ValueError's message."""
     from hyper_parallel import PipelineStage
-    from hyper_parallel.core.pipeline_parallel.overlap import CommComputeOverlap
+    from hyper_parallel.core.pipeline_parallel.features.overlap import CommComputeOverlap
     from hyper_parallel.demo import gpt_mindspore
     from hyper_parallel.demo.gpt import init_gpt_weights
     from hyper_parallel.platform import get_platform

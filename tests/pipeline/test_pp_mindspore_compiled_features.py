@@ -263,7 +263,7 @@ def _mpipe_wrapped_preprocess() -> str:
 
     from hyper_parallel import PipelineStage
     from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
-    from hyper_parallel.core.pipeline_parallel.mpipe import ScheduleMPipeTranspose
+    from hyper_parallel.core.pipeline_parallel.features.mpipe.transpose import ScheduleMPipeTranspose
     from hyper_parallel.platform import get_platform
 
     p = get_platform()

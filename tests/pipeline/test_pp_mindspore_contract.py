@@ -9,9 +9,9 @@ import pytest
 ms = pytest.importorskip("mindspore")
 from mindspore import nn  # noqa: E402
 
-from hyper_parallel.core.pipeline_parallel.runtime import StageError  # noqa: E402
+from hyper_parallel.core.pipeline_parallel.runtime.executor import StageError  # noqa: E402
 from hyper_parallel.core.pipeline_parallel.schedule import ScheduleInterleaved1F1B  # noqa: E402
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage  # noqa: E402
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage  # noqa: E402
 from hyper_parallel.platform import get_platform  # noqa: E402
 from hyper_parallel.platform.local import LocalCluster  # noqa: E402
 

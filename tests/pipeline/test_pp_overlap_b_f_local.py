@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.overlap import CommComputeOverlap, HookCoordinator
+from hyper_parallel.core.pipeline_parallel.features.overlap import CommComputeOverlap, HookCoordinator
 from hyper_parallel.core.pipeline_parallel.schedule import ScheduleInterleaved1F1B
 from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import ScheduleDualPipeV
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster
 
@@ -289,7 +289,7 @@ def rank_body_policies(framework):
     schedule-driven swap. Each returns losses, gradients, swapped keys and the coordinator's trace."""
     import hyper_parallel as hp
     from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper
-    from hyper_parallel.core.pipeline_parallel.memory_stats import memory_stats
+    from hyper_parallel.core.pipeline_parallel.features.memory_stats import memory_stats
 
     p = get_platform()
     mesh = hp.init_device_mesh("cpu", (PP, EP), mesh_dim_names=("pp", "ep"))

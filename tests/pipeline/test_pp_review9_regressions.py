@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.base import Handle
 from hyper_parallel.platform.local import LocalCluster
@@ -91,7 +91,7 @@ def test_output_sent_twice_is_freed_only_after_every_send_of_it_completed(transp
 def test_switches_take_numpy_bools_and_name_the_refused_type():
     # check_flag refused numpy.bool_ (a bool read from a config array), with "got True" as the reason.
     np = pytest.importorskip("numpy")
-    from hyper_parallel.core.pipeline_parallel.placement import check_flag
+    from hyper_parallel.core.pipeline_parallel.ir.placement import check_flag
 
     assert check_flag("overlap_p2p", np.bool_(True)) is True
     assert check_flag("overlap_p2p", np.bool_(False)) is False

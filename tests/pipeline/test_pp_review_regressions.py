@@ -6,13 +6,13 @@ import pytest
 import torch
 from mlp_harness import MatrixJob, batch, build_stages, check, mse
 
-from hyper_parallel.core.pipeline_parallel.lowering import lower
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement
-from hyper_parallel.core.pipeline_parallel.runtime import StageError
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
+from hyper_parallel.core.pipeline_parallel.runtime.executor import StageError
 from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from hyper_parallel.core.pipeline_parallel.schedules import generate_1f1b
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
-from hyper_parallel.core.pipeline_parallel.validate import ScheduleError, validate_lowered
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError, validate_lowered
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import DeadlockError, LocalCluster, RankFailedError
 

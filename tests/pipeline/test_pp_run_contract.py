@@ -12,7 +12,7 @@ import torch
 from mlp_harness import MatrixJob, batch, build_stages, check, mse, oracle, run_matrix_job
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStepType
-from hyper_parallel.core.pipeline_parallel.runtime import StageError
+from hyper_parallel.core.pipeline_parallel.runtime.executor import StageError
 from hyper_parallel.core.pipeline_parallel.schedule import (
     PipelineSchedule,
     Schedule1F1B,
@@ -20,7 +20,7 @@ from hyper_parallel.core.pipeline_parallel.schedule import (
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
 )
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster, RankFailedError
 

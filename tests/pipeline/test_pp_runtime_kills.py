@@ -13,10 +13,10 @@ import pytest
 import torch
 from mlp_harness import MatrixJob, batch, build_stages, check, mse
 
-from hyper_parallel.core.pipeline_parallel.wait_watch import release_slot, wait_slot
+from hyper_parallel.core.pipeline_parallel.runtime.wait_watch import release_slot, wait_slot
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import peer_rank
-from hyper_parallel.core.pipeline_parallel.runtime import PeerError, PipelineRuntime
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import peer_rank
+from hyper_parallel.core.pipeline_parallel.runtime.executor import PeerError, PipelineRuntime
 from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B, ScheduleInterleaved1F1B
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster
@@ -132,9 +132,9 @@ def test_peer_rank_refuses_steps_without_a_peer():
 def test_a_last_stage_without_loss_fn_must_return_its_loss_alone():
     # Without a loss_fn the last stage's output is the loss: a (loss, extra) tuple is refused,
     # not taken apart; eval() of the same stage returns its outputs as they are.
-    from hyper_parallel.core.pipeline_parallel.runtime import StageError
+    from hyper_parallel.core.pipeline_parallel.runtime.executor import StageError
     from hyper_parallel.core.pipeline_parallel.schedule import ScheduleGPipe
-    from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+    from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 
     class LossAndExtra(torch.nn.Module):
         def __init__(self):

@@ -20,7 +20,7 @@ from hyper_parallel import (
     ScheduleInterleaved1F1B,
     ScheduleZBVZeroBubble,
 )
-from hyper_parallel.core.pipeline_parallel.trace import causality_violations, load_trace
+from hyper_parallel.core.pipeline_parallel.tools.trace import causality_violations, load_trace
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster
 

@@ -14,7 +14,7 @@ from conftest import run_torchrun
 from mlp_harness import MatrixJob, batch, build_stages, mse
 
 from hyper_parallel.core.pipeline_parallel.schedule import ScheduleInterleaved1F1B
-from hyper_parallel.core.pipeline_parallel.trace import causality_violations, chrome_trace
+from hyper_parallel.core.pipeline_parallel.tools.trace import causality_violations, chrome_trace
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster
 

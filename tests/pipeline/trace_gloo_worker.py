@@ -8,7 +8,7 @@ import torch
 from mlp_harness import MatrixJob, batch, build_stages, mse
 
 from hyper_parallel import Schedule1F1B
-from hyper_parallel.core.pipeline_parallel.trace import chrome_trace
+from hyper_parallel.core.pipeline_parallel.tools.trace import chrome_trace
 from hyper_parallel.platform import get_platform
 from gloo_exit import run_and_leave
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.mpipe import ScheduleMPipeTranspose
-from hyper_parallel.core.pipeline_parallel.mpipe_model import check_mpipe, plan_mpipe, run_mpipe, simulate_mpipe
-from hyper_parallel.core.pipeline_parallel.mpipe_plan import (
+from hyper_parallel.core.pipeline_parallel.features.mpipe.transpose import ScheduleMPipeTranspose
+from hyper_parallel.core.pipeline_parallel.features.mpipe.model import check_mpipe, plan_mpipe, run_mpipe, simulate_mpipe
+from hyper_parallel.core.pipeline_parallel.features.mpipe.plan import (
     MPipeBatchSampler,
     MPipePlan,
     owned_microbatches,
     owned_sample_indices,
     owner_of,
 )
-from hyper_parallel.core.pipeline_parallel.validate import ScheduleError
-from hyper_parallel.core.pipeline_parallel.visualize import ascii_chart
+from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError
+from hyper_parallel.core.pipeline_parallel.tools.visualize import ascii_chart
 
 T = MetaStepType
 

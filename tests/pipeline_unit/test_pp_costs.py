@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.costs import CostModel, StageCost, load_costs, save_costs
+from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, StageCost, load_costs, save_costs
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.pipelining.schedules as ts
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType, consumer_stage, message_key
-from hyper_parallel.core.pipeline_parallel.schedule_csv import (
+from hyper_parallel.core.pipeline_parallel.ir.schedule_csv import (
     format_schedule_csv,
     load_schedule_csv,
     parse_cell,

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType, consumes, message_key, produces
-from hyper_parallel.core.pipeline_parallel.schedule_csv import (
+from hyper_parallel.core.pipeline_parallel.ir.schedule_csv import (
     format_schedule_csv,
     load_schedule_csv,
     parse_cell,

@@ -7,15 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import counterpart, lower, peer_rank
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement, v_placement
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import counterpart, lower, peer_rank
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement, v_placement
 from hyper_parallel.core.pipeline_parallel.schedules import (
     generate_1f1b,
     generate_gpipe,
     generate_interleaved_1f1b,
     generate_looped_bfs,
 )
-from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
+from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_lowered
 
 T = MetaStepType
 

@@ -19,10 +19,10 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.catalog import available_schedules, chunk_range
+from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, chunk_range
 from hyper_parallel.core.pipeline_parallel.ir import MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import counterpart, lower, peer_rank
-from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import counterpart, lower, peer_rank
+from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_lowered
 
 CLASSES = list(available_schedules().values())  # every built-in schedule class
 assert len(CLASSES) == 7, CLASSES

@@ -9,10 +9,10 @@ step, never a ``KeyError`` from the batch lowering's repairs or the stream model
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import lower
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
 from hyper_parallel.core.pipeline_parallel.schedules import generate_1f1b, generate_interleaved_1f1b
-from hyper_parallel.core.pipeline_parallel.validate import ScheduleError, validate_lowered
+from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError, validate_lowered
 
 CASES = [("plain", "none", False), ("batch", "none", False), ("batch", "none", True), ("batch", "first", True),
          ("batch", "all", False), ("batch", "all", True)]

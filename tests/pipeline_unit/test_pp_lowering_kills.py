@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import counterpart
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import counterpart
 
 _T = MetaStepType
 
@@ -32,10 +32,10 @@ def test_batch_prefetch_survives_the_stream_model_repair_by_hand():
     # With prefetch the batch lowering first moves receives one compute early, then uncrosses the
     # groups of both ranks; without the uncrossing the repair puts rank 1's RECV_F.s1.m1 back
     # behind B.s1.m0 and the prefetch is lost (still valid, one beat slower).
-    from hyper_parallel.core.pipeline_parallel.lowering import lower
-    from hyper_parallel.core.pipeline_parallel.placement import looped_placement
+    from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+    from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
     from hyper_parallel.core.pipeline_parallel.schedules import generate_1f1b
-    from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
+    from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_lowered
 
     placement = looped_placement(2, 1)
     lowered = lower(generate_1f1b(2, 2), placement, "batch", prefetch=True)
@@ -48,7 +48,7 @@ def test_batch_prefetch_survives_the_stream_model_repair_by_hand():
 
 
 def _builtin(p: int, m: int):
-    from hyper_parallel.core.pipeline_parallel.placement import looped_placement, v_placement
+    from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement, v_placement
     from hyper_parallel.core.pipeline_parallel.schedules import (
         generate_1f1b,
         generate_dualpipe_v,
@@ -76,8 +76,8 @@ def test_batch_lowering_never_deadlocks_on_a_stream_engine(p, metadata, prefetch
     # On NCCL/HCCL a rank's batched groups run in order on one stream and a send completes only
     # when its receive is posted; the CPU tests run on the eager model, so the stream model is
     # checked here for every built-in schedule and micro-batch count up to 2p + 1.
-    from hyper_parallel.core.pipeline_parallel.lowering import lower
-    from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
+    from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+    from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_lowered
 
     for m in range(1, 2 * p + 2):
         for name, compute, placement in _builtin(p, m):

@@ -17,8 +17,8 @@ import _lowering_oracle
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStepType
-from hyper_parallel.core.pipeline_parallel.job_model import run_job
-from hyper_parallel.core.pipeline_parallel.lowering import lower
+from hyper_parallel.core.pipeline_parallel.lowering.job_model import run_job
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
 from hyper_parallel.core.pipeline_parallel.schedule import (
     Schedule1F1B,
     ScheduleGPipe,

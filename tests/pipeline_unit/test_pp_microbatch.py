@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hyper_parallel.core.pipeline_parallel.microbatch import BatchDimSpec, merge_outputs, split_inputs, split_target
+from hyper_parallel.core.pipeline_parallel.runtime.microbatch import BatchDimSpec, merge_outputs, split_inputs, split_target
 from hyper_parallel.platform.torch import TorchPlatform
 
 P = TorchPlatform()

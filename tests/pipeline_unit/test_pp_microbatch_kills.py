@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from hyper_parallel.core.pipeline_parallel.microbatch import BatchDimSpec, merge_outputs, split_inputs
+from hyper_parallel.core.pipeline_parallel.runtime.microbatch import BatchDimSpec, merge_outputs, split_inputs
 from hyper_parallel.platform.torch import TorchPlatform
 
 P = TorchPlatform()

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.costs import CostModel, StageCost
-from hyper_parallel.core.pipeline_parallel.lowering import lower
-from hyper_parallel.core.pipeline_parallel.order_search import greedy_order
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement, v_placement
-from hyper_parallel.core.pipeline_parallel.schedule_csv import format_schedule_csv, parse_schedule_csv
-from hyper_parallel.core.pipeline_parallel.simulate import simulate
-from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
+from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, StageCost
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.tools.order_search import greedy_order
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement, v_placement
+from hyper_parallel.core.pipeline_parallel.ir.schedule_csv import format_schedule_csv, parse_schedule_csv
+from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate
+from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_lowered
 
 UNIT = StageCost(F=1.0, I=1.0, W=1.0, activation_bytes=1.0, output_bytes=1.0)
 
@@ -55,8 +55,8 @@ def test_too_little_memory():
 
 
 def test_tune_offers_searched_orders():
-    from hyper_parallel.core.pipeline_parallel.catalog import available_schedules
-    from hyper_parallel.core.pipeline_parallel.tune import tune
+    from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules
+    from hyper_parallel.core.pipeline_parallel.tools.tune import tune
 
     layer = StageCost(F=1.0, B=2.0, activation_bytes=100.0, param_bytes=10.0)
     costs = CostModel(stages=(layer,), layers=(layer,) * 8, micro_batch_size=2)

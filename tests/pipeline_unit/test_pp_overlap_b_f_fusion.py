@@ -6,11 +6,11 @@ import itertools
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import lower
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
 from hyper_parallel.core.pipeline_parallel.schedules import generate_interleaved_1f1b
 from hyper_parallel.core.pipeline_parallel.schedules.overlap_pairs import can_pair, fuse_overlap_pairs
-from hyper_parallel.core.pipeline_parallel.validate import validate_compute, validate_lowered
+from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_compute, validate_lowered
 
 T = MetaStepType
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyper_parallel.core.pipeline_parallel.overlap import (
+from hyper_parallel.core.pipeline_parallel.features.overlap import (
     HookCoordinator,
     HookRole,
     OverlapAborted,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.partition import balanced_ranges, rank_ranges, stage_owners
+from hyper_parallel.core.pipeline_parallel.simulation.partition import balanced_ranges, rank_ranges, stage_owners
 
 
 def splits(n, k):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement, stages_of_rank, v_placement
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement, stages_of_rank, v_placement
 
 
 def test_looped_placement():

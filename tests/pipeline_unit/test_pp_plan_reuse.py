@@ -14,13 +14,13 @@ import threading
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel import plan_cache
-from hyper_parallel.core.pipeline_parallel.gc_pause import paused_gc
+from hyper_parallel.core.pipeline_parallel.lowering import plan_cache
+from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.job_model import known_to_finish, note_finished
-from hyper_parallel.core.pipeline_parallel.lowering import lower
+from hyper_parallel.core.pipeline_parallel.lowering.job_model import known_to_finish, note_finished
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
 from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B, ScheduleInterleaved1F1B
-from hyper_parallel.core.pipeline_parallel.validate import ScheduleError, validate_lowered
+from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError, validate_lowered
 
 T = MetaStepType
 
@@ -214,7 +214,7 @@ def test_a_features_pass_is_validated_even_when_the_same_plan_passed_before():
     shape in this process validated the unchanged lists a moment ago."""
     import torch
 
-    from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+    from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
     from hyper_parallel.platform import get_platform
     from hyper_parallel.platform.local import LocalCluster
 
@@ -245,7 +245,7 @@ def test_builds_of_one_shape_with_other_options_each_get_their_own_lowering():
     import torch
 
     from hyper_parallel.core.pipeline_parallel.schedule import _forwards_only
-    from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+    from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
     from hyper_parallel.platform import get_platform
     from hyper_parallel.platform.local import LocalCluster
 

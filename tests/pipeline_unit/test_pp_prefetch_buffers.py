@@ -9,7 +9,7 @@ import pytest
 from test_pp_lowering_cross import VARIANTS, micro_counts
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import lower
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
 
 _RECV = {MetaStepType.FWD_RECV: "F", MetaStepType.BWD_RECV: "B"}
 _CONSUMES = {MetaStepType.FWD: "F", MetaStepType.BWD: "B", MetaStepType.BWD_INPUT: "B"}

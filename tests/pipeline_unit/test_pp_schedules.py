@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
 from hyper_parallel.core.pipeline_parallel.schedules import (
     generate_1f1b,
     generate_gpipe,
@@ -17,7 +17,7 @@ from hyper_parallel.core.pipeline_parallel.schedules.interleaved_1f1b import (
     interleaved_warmup,
     microbatch_rounds,
 )
-from hyper_parallel.core.pipeline_parallel.validate import ScheduleError, validate_compute
+from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError, validate_compute
 
 
 def steps(text: str) -> list[MetaStep]:

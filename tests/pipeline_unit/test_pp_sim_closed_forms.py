@@ -17,9 +17,9 @@ import importlib
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.catalog import available_schedules
-from hyper_parallel.core.pipeline_parallel.costs import CostModel
-from hyper_parallel.core.pipeline_parallel.simulate import simulate_schedule
+from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules
+from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel
+from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate_schedule
 
 S = available_schedules()
 GRID_P = [1, 2, 3, 4, 6]
@@ -120,7 +120,7 @@ ZB_CASES = [("ScheduleInterleavedZeroBubble", v) for v in (1, 2, 3)] + [("Schedu
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_zero_bubble_closed_forms(class_name, v, p, k):
-    from hyper_parallel.core.pipeline_parallel.catalog import chunk_range
+    from hyper_parallel.core.pipeline_parallel.tools.catalog import chunk_range
 
     cls = _zero_bubble(class_name)
     low, high = chunk_range(cls)

@@ -5,16 +5,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import lower
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
 from hyper_parallel.core.pipeline_parallel.schedules import (
     generate_1f1b,
     generate_gpipe,
     generate_interleaved_1f1b,
     generate_looped_bfs,
 )
-from hyper_parallel.core.pipeline_parallel.simulate import SimulationResult, simulate
-from hyper_parallel.core.pipeline_parallel.validate import ScheduleError
+from hyper_parallel.core.pipeline_parallel.simulation.simulate import SimulationResult, simulate
+from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError
 
 T = MetaStepType
 UNIT = {T.FWD: 1.0, T.BWD: 1.0}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import lower
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement, v_placement
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement, v_placement
 from hyper_parallel.core.pipeline_parallel.schedules import (
     generate_1f1b,
     generate_dualpipe_v,
@@ -17,8 +17,8 @@ from hyper_parallel.core.pipeline_parallel.schedules import (
     generate_zbv_zero_bubble,
 )
 from hyper_parallel.core.pipeline_parallel.schedules.overlap_pairs import fuse_overlap_pairs
-from hyper_parallel.core.pipeline_parallel.swap import check_threshold, insert_swap_steps, swapped_keys
-from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
+from hyper_parallel.core.pipeline_parallel.features.swap import check_threshold, insert_swap_steps, swapped_keys
+from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_lowered
 
 T = MetaStepType
 S = MetaStep.from_str

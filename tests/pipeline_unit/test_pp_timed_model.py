@@ -7,15 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyper_parallel.core.pipeline_parallel.costs import CostModel, StageCost
+from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, StageCost
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep
-from hyper_parallel.core.pipeline_parallel.job_model import run_job
-from hyper_parallel.core.pipeline_parallel.lowering import lower
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement
+from hyper_parallel.core.pipeline_parallel.lowering.job_model import run_job
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
 from hyper_parallel.core.pipeline_parallel.schedules import generate_1f1b, generate_interleaved_1f1b
-from hyper_parallel.core.pipeline_parallel.simulate import simulate
-from hyper_parallel.core.pipeline_parallel.timed_model import run_timed
-from hyper_parallel.core.pipeline_parallel.validate import ScheduleError
+from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate
+from hyper_parallel.core.pipeline_parallel.simulation.timed_model import run_timed
+from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError
 
 
 def steps(text: str) -> list[MetaStep]:

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.catalog import available_schedules
-from hyper_parallel.core.pipeline_parallel.simulate import simulate_schedule
-from hyper_parallel.core.pipeline_parallel.trace import (
+from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules
+from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate_schedule
+from hyper_parallel.core.pipeline_parallel.tools.trace import (
     causality_violations,
     chrome_trace,
     compare,
@@ -17,8 +17,8 @@ from hyper_parallel.core.pipeline_parallel.trace import (
     merge_records,
     save_trace,
 )
-from hyper_parallel.core.pipeline_parallel.tracing import StepTracer
-from hyper_parallel.core.pipeline_parallel.visualize import write_chrome_trace
+from hyper_parallel.core.pipeline_parallel.runtime.tracing import StepTracer
+from hyper_parallel.core.pipeline_parallel.tools.visualize import write_chrome_trace
 
 
 def rec(rank, step, kind, start, end):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.catalog import available_schedules, chunk_range
-from hyper_parallel.core.pipeline_parallel.costs import CostModel, StageCost
-from hyper_parallel.core.pipeline_parallel.simulate import simulate_schedule
-from hyper_parallel.core.pipeline_parallel.tune import format_table, tune
+from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, chunk_range
+from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, StageCost
+from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate_schedule
+from hyper_parallel.core.pipeline_parallel.tools.tune import format_table, tune
 
 SCHEDULES = {k: v for k, v in available_schedules().items() if k in ("gpipe", "1f1b", "interleaved-1f1b",
                                                                      "looped-bfs")}

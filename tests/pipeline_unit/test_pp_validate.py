@@ -3,10 +3,10 @@
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import lower
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
 from hyper_parallel.core.pipeline_parallel.schedules import generate_1f1b, generate_gpipe
-from hyper_parallel.core.pipeline_parallel.validate import (
+from hyper_parallel.core.pipeline_parallel.lowering.validate import (
     ScheduleError,
     format_grid,
     validate_compute,

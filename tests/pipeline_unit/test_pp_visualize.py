@@ -3,10 +3,10 @@
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
 from hyper_parallel.core.pipeline_parallel.schedules import generate_1f1b, generate_interleaved_1f1b
-from hyper_parallel.core.pipeline_parallel.simulate import simulate
-from hyper_parallel.core.pipeline_parallel.visualize import ascii_chart, infer_stage_to_rank
+from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate
+from hyper_parallel.core.pipeline_parallel.tools.visualize import ascii_chart, infer_stage_to_rank
 
 
 def test_1f1b_chart_layout():
@@ -50,8 +50,8 @@ def test_infer_stage_to_rank():
 
 
 def _interleaved_result():
-    from hyper_parallel.core.pipeline_parallel.catalog import available_schedules
-    from hyper_parallel.core.pipeline_parallel.simulate import simulate_schedule
+    from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate_schedule
 
     return simulate_schedule(available_schedules()["interleaved-1f1b"], 4, 2, 8)[1]
 
@@ -95,7 +95,7 @@ def test_bad_mode():
 
 def test_png_and_svg(tmp_path):
     pytest.importorskip("matplotlib")
-    from hyper_parallel.core.pipeline_parallel.visualize import plot_timelines
+    from hyper_parallel.core.pipeline_parallel.tools.visualize import plot_timelines
 
     result = _interleaved_result()
     plot_timelines(tmp_path / "a.png", [("plan", result.records, "ms"), ("run", result.records, "ms")])
@@ -109,7 +109,7 @@ def test_png_and_svg(tmp_path):
 def test_missing_matplotlib_names_the_extra(monkeypatch, tmp_path):
     import sys
 
-    from hyper_parallel.core.pipeline_parallel.visualize import plot_timelines
+    from hyper_parallel.core.pipeline_parallel.tools.visualize import plot_timelines
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install 'hyper-parallel\[viz\]'"):

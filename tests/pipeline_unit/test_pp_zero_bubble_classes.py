@@ -10,10 +10,10 @@ import pytest
 from test_pp_zero_bubble_schedules import check_counts_and_order, in_flight_peak
 
 from hyper_parallel import ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
-from hyper_parallel.core.pipeline_parallel.catalog import available_schedules, chunk_range, resolve_schedule
+from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, chunk_range, resolve_schedule
 from hyper_parallel.core.pipeline_parallel.ir import MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import lower
-from hyper_parallel.core.pipeline_parallel.validate import validate_compute, validate_lowered
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_compute, validate_lowered
 
 CLASSES = [(ScheduleInterleavedZeroBubble, v) for v in (1, 2, 3)] + [(ScheduleZBVZeroBubble, 2),
                                                                      (ScheduleDualPipeV, 2)]

@@ -6,15 +6,15 @@ import itertools
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import lower
-from hyper_parallel.core.pipeline_parallel.placement import looped_placement, v_placement
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement, v_placement
 from hyper_parallel.core.pipeline_parallel.schedules import (
     generate_dualpipe_v,
     generate_interleaved_zero_bubble,
     generate_zbv_zero_bubble,
 )
-from hyper_parallel.core.pipeline_parallel.simulate import simulate
-from hyper_parallel.core.pipeline_parallel.validate import validate_compute, validate_lowered
+from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate
+from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_compute, validate_lowered
 
 T = MetaStepType
 UNIT = {T.FWD: 1.0, T.BWD_INPUT: 1.0, T.BWD_WEIGHT: 1.0, T.BWD: 2.0}

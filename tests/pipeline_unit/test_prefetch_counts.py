@@ -19,7 +19,7 @@ from collections import defaultdict
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType, consumes, message_key, produces
-from hyper_parallel.core.pipeline_parallel.lowering import lower
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
 from hyper_parallel.core.pipeline_parallel.schedule import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -27,7 +27,7 @@ from hyper_parallel.core.pipeline_parallel.schedule import (
     ScheduleLoopedBFS,
 )
 from hyper_parallel.core.pipeline_parallel.schedules.overlap_pairs import fuse_overlap_pairs
-from hyper_parallel.core.pipeline_parallel.validate import validate_lowered
+from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_lowered
 from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import (
     ScheduleDualPipeV,
     ScheduleInterleavedZeroBubble,

@@ -29,7 +29,7 @@ def test_top_level_name_imports(name):
 
 def test_overlap_classes_are_the_overlap_modules():
     from hyper_parallel import CommComputeOverlap, HookCoordinator, HookRole
-    from hyper_parallel.core.pipeline_parallel import overlap
+    from hyper_parallel.core.pipeline_parallel.features import overlap
     assert (CommComputeOverlap, HookCoordinator, HookRole) == (
         overlap.CommComputeOverlap, overlap.HookCoordinator, overlap.HookRole)
     assert {r.name for r in HookRole}  # an enum with members, as the guide's snippet uses it

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_parallel.core.pipeline_parallel.partition import balanced_ranges
-from hyper_parallel.core.pipeline_parallel.split_layers import layer_parameter_counts, split_layers
+from hyper_parallel.core.pipeline_parallel.simulation.partition import balanced_ranges
+from hyper_parallel.core.pipeline_parallel.tools.split_layers import layer_parameter_counts, split_layers
 
 
 def _layers():

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel import wait_watch
-from hyper_parallel.core.pipeline_parallel.wait_watch import WaitSlot, release_slot, wait_log_interval, wait_slot, watched
+from hyper_parallel.core.pipeline_parallel.runtime import wait_watch
+from hyper_parallel.core.pipeline_parallel.runtime.wait_watch import WaitSlot, release_slot, wait_log_interval, wait_slot, watched
 
 
 def test_the_interval_follows_the_variable_each_time_it_is_read(monkeypatch):

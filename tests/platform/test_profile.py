@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.profile import profile_stages
+from hyper_parallel.core.pipeline_parallel.tools.profile import profile_stages
 
 BATCH, WIDTH = 8, 64
 
@@ -110,7 +110,7 @@ def test_threads_are_set_for_the_measurement_and_restored():
 
 
 def test_warnings_name_spread_repeats_and_identical_stages_that_disagree():
-    from hyper_parallel.core.pipeline_parallel.profile import _warnings
+    from hyper_parallel.core.pipeline_parallel.tools.profile import _warnings
 
     flat = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
     calm = dict.fromkeys(flat, 0.05)
@@ -128,7 +128,7 @@ def test_warnings_name_spread_repeats_and_identical_stages_that_disagree():
 
 def test_identical_stages_are_those_of_one_module_type_shapes_and_role():
     torch = pytest.importorskip("torch")
-    from hyper_parallel.core.pipeline_parallel.profile import _signature
+    from hyper_parallel.core.pipeline_parallel.tools.profile import _signature
     from hyper_parallel.platform.torch import TorchPlatform
 
     p = TorchPlatform()

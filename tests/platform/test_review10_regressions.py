@@ -21,7 +21,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleZBVZeroBubble
-from hyper_parallel.core.pipeline_parallel.memory_stats import track_memory
+from hyper_parallel.core.pipeline_parallel.features.memory_stats import track_memory
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.local import LocalCluster
 from hyper_parallel.platform.torch import autograd as ag

@@ -11,9 +11,9 @@ wraps it in place (the module is returned; its parameters, names and hooks are u
   are not re-run), the rest is recomputed (selective recompute).
 * :func:`is_recomputing` -- whether a re-run is in progress (for hooks that must fire once).
 
-Schedule-driven swap is ``swap=True`` on a pipeline schedule (``core/pipeline_parallel/swap.py``);
+Schedule-driven swap is ``swap=True`` on a pipeline schedule (``core/pipeline_parallel/features/swap.py``);
 memory accounting is ``track_memory`` / ``memory_stats``
-(``core/pipeline_parallel/memory_stats.py``).
+(``core/pipeline_parallel/features/memory_stats.py``).
 """
 
 from __future__ import annotations

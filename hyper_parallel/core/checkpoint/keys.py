@@ -10,7 +10,7 @@ from hyper_parallel.platform.base import Group
 
 def _stages_of(model: Any) -> tuple[list[Any], Group | None] | None:
     from hyper_parallel.core.pipeline_parallel.schedule import PipelineSchedule
-    from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+    from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 
     if isinstance(model, PipelineSchedule):
         return list(model.stages), model.group

@@ -30,7 +30,7 @@ from hyper_parallel.core.fully_shard import window
 from hyper_parallel.core.fully_shard.api import sharded_states
 from hyper_parallel.core.fully_shard.grad_sync import GradBucket
 from hyper_parallel.core.fully_shard.sharded import ShardedModule, state_of
-from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.schedule import PipelineSchedule, RunHook
 
 _T = MetaStepType

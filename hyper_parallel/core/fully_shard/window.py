@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType
 
 _T = MetaStepType
 _BACKWARD = (_T.BWD, _T.BWD_INPUT, _T.BWD_WEIGHT)

@@ -14,15 +14,16 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from hyper_parallel.core.pipeline_parallel import plan_cache, shared_params
-from hyper_parallel.core.pipeline_parallel.agreement import gather_and_check
-from hyper_parallel.core.pipeline_parallel.gc_pause import paused_gc
-from hyper_parallel.core.pipeline_parallel.grad_state import RunGradients
-from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.lowering import TRANSPORTS, lower
-from hyper_parallel.core.pipeline_parallel.microbatch import merge_outputs, split_inputs, split_target
-from hyper_parallel.core.pipeline_parallel.placement import check_count, check_flag, is_int, looped_placement, v_placement
-from hyper_parallel.core.pipeline_parallel.runtime import P2P_TYPES, CustomFunction, PipelineRuntime, StepContext
+from hyper_parallel.core.pipeline_parallel.lowering import plan_cache
+from hyper_parallel.core.pipeline_parallel.runtime import shared_params
+from hyper_parallel.core.pipeline_parallel.runtime.agreement import gather_and_check
+from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc
+from hyper_parallel.core.pipeline_parallel.runtime.grad_state import RunGradients
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import TRANSPORTS, lower
+from hyper_parallel.core.pipeline_parallel.runtime.microbatch import merge_outputs, split_inputs, split_target
+from hyper_parallel.core.pipeline_parallel.ir.placement import check_count, check_flag, is_int, looped_placement, v_placement
+from hyper_parallel.core.pipeline_parallel.runtime.executor import P2P_TYPES, CustomFunction, PipelineRuntime, StepContext
 from hyper_parallel.core.pipeline_parallel.schedules import (
     generate_1f1b,
     generate_gpipe,
@@ -30,9 +31,9 @@ from hyper_parallel.core.pipeline_parallel.schedules import (
     generate_looped_bfs,
 )
 from hyper_parallel.core.pipeline_parallel.schedules.overlap_pairs import fuse_overlap_pairs
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
-from hyper_parallel.core.pipeline_parallel.tracing import StepTracer
-from hyper_parallel.core.pipeline_parallel.validate import ScheduleError, validate_lowered
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.tracing import StepTracer
+from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError, validate_lowered
 
 P2P_TRANSPORTS = ("auto", *TRANSPORTS)
 Schedule = dict[int, list[MetaStep | None]]
@@ -49,7 +50,7 @@ _RUNS_PER_TAG_BLOCK = 1 << 20
 class RunHook:
     """A feature's part in every run (all methods optional no-ops): ``before_run`` when the run's
     gradients were set up, ``after_run`` once every step ran (inside the part a failure undoes),
-    ``on_failure`` when the run raised."""
+    ``on_failure`` when the run raised; ``before_eval`` before a forward-only ``eval``/``step``."""
 
     def before_run(self, schedule: PipelineSchedule, runtime: PipelineRuntime) -> None:
         return None
@@ -58,6 +59,9 @@ class RunHook:
         return None
 
     def on_failure(self, schedule: PipelineSchedule) -> None:
+        return None
+
+    def before_eval(self, schedule: PipelineSchedule) -> None:
         return None
 
 
@@ -72,6 +76,28 @@ class CheckBeforeRun(RunHook):
         self.check(schedule)
 
 
+FeatureSetup = Callable[["PipelineSchedule", Mapping[str, Any]], None]
+"""``setup(schedule, options)``: called by every schedule's constructor with the feature options
+it was given (``swap``, ``swap_threshold``, ``comm_compute_overlap``); it adds what the feature
+needs through ``schedule.add_feature`` (or nothing when its option is off)."""
+_FEATURE_SETUPS: dict[str, FeatureSetup] = {}
+_FEATURE_READERS: dict[str, Callable[["PipelineSchedule"], Any]] = {}
+_OPTION_FEATURE = {"swap": "swap", "comm_compute_overlap": "overlap_step"}  # option -> feature that runs it
+
+
+def register_feature(name: str, setup: FeatureSetup | None = None,
+                     reader: Callable[[PipelineSchedule], Any] | None = None) -> None:
+    """Plug a feature into every schedule built from now on, under ``name``: ``setup`` runs in
+    each constructor (in registration order, after the stages are placed and before the plan is
+    built and validated); ``reader`` answers ``schedule.feature_result(name)``. The features of
+    ``pipeline_parallel/features`` register themselves when the package is imported; the schedule
+    class imports none of them."""
+    if setup is not None:
+        _FEATURE_SETUPS[name] = setup
+    if reader is not None:
+        _FEATURE_READERS[name] = reader
+
+
 class PipelineSchedule:
     """Base of every schedule; subclasses set ``placement`` and implement ``_generate``.
 
@@ -82,7 +108,7 @@ class PipelineSchedule:
 
     ``comm_compute_overlap`` (a ``CommComputeOverlap`` wrapping the model's MoE layers) runs the
     schedule's ``OVERLAP_B_F`` / ``OVERLAP_F_B`` steps on it, so that one side's all-to-all is in
-    flight while the other side computes (``overlap_step.py``); without it their two sub-steps
+    flight while the other side computes (``features/overlap_step.py``); without it their two sub-steps
     run one after the other.
     """
 
@@ -162,18 +188,9 @@ class PipelineSchedule:
         self._run_hooks: list[RunHook] = []
         self._host_grads: dict[int, tuple[Any, Any]] = {}  # gradient copies a failed run restores, reused
         self._runs = 0
-        if swap:  # schedule-driven activation swap (core/pipeline_parallel/swap.py)
-            from hyper_parallel.core.pipeline_parallel.swap import enable_swap
-
-            enable_swap(self, swap_threshold)
-        from hyper_parallel.core.pipeline_parallel.compiled_check import enable_activation_check
-
-        enable_activation_check(self)  # swap and activation wrappers cannot run in compiled stages
         self.comm_compute_overlap = None
-        if comm_compute_overlap is not None:  # the built-in OVERLAP_B_F handler
-            from hyper_parallel.core.pipeline_parallel.overlap_step import enable_comm_compute_overlap
-
-            enable_comm_compute_overlap(self, comm_compute_overlap)
+        self._set_up_features({"swap": swap, "swap_threshold": swap_threshold,
+                               "comm_compute_overlap": comm_compute_overlap})
         self.outputs: Any = None
         self.peak_activations = 0
         self.tracer = StepTracer(enabled=os.environ.get("HYPER_PARALLEL_TRACE", "") not in ("", "0"))
@@ -182,6 +199,16 @@ class PipelineSchedule:
         self.platform.open_meta_channel(self.group.ranks)
         if self._holders:
             shared_params.sync_values(self.platform, self._by_index, self._holders)
+
+    def _set_up_features(self, options: Mapping[str, Any]) -> None:
+        """Let every registered feature add itself (``register_feature``); an option whose feature
+        is not registered is refused rather than ignored."""
+        for option, feature in _OPTION_FEATURE.items():
+            if options.get(option) not in (None, False) and feature not in _FEATURE_SETUPS:
+                raise RuntimeError(f"{option}= needs the {feature!r} feature, which is not registered (it registers "
+                                   "when hyper_parallel.core.pipeline_parallel.features is imported)")
+        for setup in list(_FEATURE_SETUPS.values()):
+            setup(self, options)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -354,15 +381,21 @@ class PipelineSchedule:
         return lowered
 
     def add_feature(self, lowering_pass: LoweringPass | None = None,
-                    handlers: Mapping[MetaStepType, StepHandler] | None = None, hook: RunHook | None = None) -> None:
+                    handlers: Mapping[MetaStepType, StepHandler] | None = None, hook: RunHook | None = None,
+                    hook_first: bool = False) -> None:
         """Extend the schedule (for features such as FSDP or activation swap): a pass that inserts
-        steps into the lowered lists, the runtime handlers of those step types, a per-run hook."""
+        steps into the lowered lists, the runtime handlers of those step types, a per-run hook
+        (``hook_first``: before the hooks added so far, for a check that must refuse a run before
+        any other feature prepares it)."""
         if lowering_pass is not None:
             self._passes.append(lowering_pass)
             self._lowered_cache.clear()
         self._step_handlers.update(handlers or {})
         if hook is not None:
-            self._run_hooks.append(hook)
+            if hook_first:
+                self._run_hooks.insert(0, hook)
+            else:
+                self._run_hooks.append(hook)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -445,10 +478,15 @@ class PipelineSchedule:
 
     def memory_stats(self) -> Any:
         """Activation memory of the last training run on this rank (``MemoryStats``); tracking is on
-        with ``swap=True`` or after ``memory_stats.track_memory(schedule)`` (see ``docs/memory.md``)."""
-        from hyper_parallel.core.pipeline_parallel.memory_stats import memory_stats
+        with ``swap=True`` or after ``features.memory_stats.track_memory(schedule)`` (see ``docs/memory.md``)."""
+        return self.feature_result("memory_stats")
 
-        return memory_stats(self)
+    def feature_result(self, name: str) -> Any:
+        """What the registered feature ``name`` reports about this schedule (``register_feature``)."""
+        reader = _FEATURE_READERS.get(name)
+        if reader is None:
+            raise RuntimeError(f"no feature {name!r} is registered; registered: {sorted(_FEATURE_READERS)}")
+        return reader(self)
 
     def zero_grad(self) -> None:
         """Drop the gradients of every parameter of this rank's stages."""
@@ -556,9 +594,8 @@ class PipelineSchedule:
 
     def _forward(self, args: Sequence[Any], kwargs: Mapping[str, Any], target: Any, *, concat_dim: int,
                  want_outputs: bool, losses: list | None) -> Any:
-        from hyper_parallel.core.pipeline_parallel.compiled_check import check_activation_features
-
-        check_activation_features(self, forward_only=True)  # no run hooks here; the context may be GRAPH_MODE now
+        for hook in self._run_hooks:
+            hook.before_eval(self)  # no training run hooks here; a feature's checks (the context may be GRAPH_MODE now)
         micro_args, micro_kwargs, targets = self._split(args, kwargs, target)
         runtime = self._runtime(micro_args, micro_kwargs, targets, keep_outputs=want_outputs, forward_only=True)
         self._execute(runtime, self._lowered("all" if self.dyn_shape else "first", forward_only=True))

@@ -15,14 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hyper_parallel.core.pipeline_parallel.placement import v_placement
+from hyper_parallel.core.pipeline_parallel.ir.placement import v_placement
 from hyper_parallel.core.pipeline_parallel.schedule import PipelineSchedule, Schedule
 from hyper_parallel.core.pipeline_parallel.schedules import (
     generate_dualpipe_v,
     generate_interleaved_zero_bubble,
     generate_zbv_zero_bubble,
 )
-from hyper_parallel.core.pipeline_parallel.stage import PipelineStage
+from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 
 __all__ = ["ScheduleDualPipeV", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble"]
 

@@ -1,12 +1,21 @@
-"""Pure schedule generators: (ranks, chunks, micro-batches) -> per-rank compute lists."""
+"""Pure schedule generators: (ranks, chunks, micro-batches) -> per-rank compute lists.
 
-from .dualpipe_v import generate_dualpipe_v
-from .gpipe import generate_gpipe
-from .interleaved_1f1b import generate_interleaved_1f1b
-from .interleaved_zero_bubble import generate_interleaved_zero_bubble
-from .looped_bfs import generate_looped_bfs
-from .one_f_one_b import generate_1f1b
-from .zbv import generate_zbv_zero_bubble
+One function per schedule (GPipe, 1F1B, interleaved 1F1B, looped BFS, interleaved zero bubble,
+ZB-V, DualPipeV), each returning, per pipeline rank, a compute-only list of `MetaStep`s (``None``
+for an idle slot); ``overlap_pairs`` fuses steady-state (backward, forward) pairs for
+``overlap_b_f``. Lowering inserts all communication.
+
+May import: ``ir``, and ``lowering.job_model`` (the pair fusion checks it adds no wait). Never a
+tensor, a framework, the runtime, the features or the tools.
+"""
+
+from hyper_parallel.core.pipeline_parallel.schedules.dualpipe_v import generate_dualpipe_v
+from hyper_parallel.core.pipeline_parallel.schedules.gpipe import generate_gpipe
+from hyper_parallel.core.pipeline_parallel.schedules.interleaved_1f1b import generate_interleaved_1f1b
+from hyper_parallel.core.pipeline_parallel.schedules.interleaved_zero_bubble import generate_interleaved_zero_bubble
+from hyper_parallel.core.pipeline_parallel.schedules.looped_bfs import generate_looped_bfs
+from hyper_parallel.core.pipeline_parallel.schedules.one_f_one_b import generate_1f1b
+from hyper_parallel.core.pipeline_parallel.schedules.zbv import generate_zbv_zero_bubble
 
 __all__ = [
     "generate_gpipe",

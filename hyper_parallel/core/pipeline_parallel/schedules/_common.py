@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..ir import MetaStep, MetaStepType
-from ..placement import check_count
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.ir.placement import check_count
 
 __all__ = ["check_count", "fwd", "bwd", "one_f_one_b"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..ir import DataKey, MetaStep, MetaStepType, consumes, produces
+from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, consumes, produces
 
 _T = MetaStepType
 

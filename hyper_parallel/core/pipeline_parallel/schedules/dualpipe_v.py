@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..ir import MetaStep, MetaStepType
-from ._common import bwd, check_count, fwd
-from ._weights import input_backward, weight_backward
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd
+from hyper_parallel.core.pipeline_parallel.schedules._weights import input_backward, weight_backward
 
 
 def generate_dualpipe_v(num_ranks: int, num_microbatches: int) -> dict[int, list[MetaStep | None]]:

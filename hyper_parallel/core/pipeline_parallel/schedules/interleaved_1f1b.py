@@ -24,10 +24,10 @@ bubble for deadlock freedom, which the property tests check for many (p, v, m).
 
 from __future__ import annotations
 
-from ..ir import MetaStep
-from ..placement import looped_placement
-from ._common import bwd, check_count, fwd, one_f_one_b
-from .overlap_pairs import fuse_overlap_pairs
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
+from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
+from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, one_f_one_b
+from hyper_parallel.core.pipeline_parallel.schedules.overlap_pairs import fuse_overlap_pairs
 
 
 def microbatch_rounds(num_ranks: int, num_microbatches: int) -> list[range]:

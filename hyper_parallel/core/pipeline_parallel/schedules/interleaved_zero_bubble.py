@@ -23,10 +23,10 @@ When m is not a multiple of p (v > 1) the short last round costs a few units mor
 
 from __future__ import annotations
 
-from ..ir import MetaStep
-from ._common import check_count, fwd
-from ._weights import input_backward, place_weights
-from .interleaved_1f1b import microbatch_rounds
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
+from hyper_parallel.core.pipeline_parallel.schedules._common import check_count, fwd
+from hyper_parallel.core.pipeline_parallel.schedules._weights import input_backward, place_weights
+from hyper_parallel.core.pipeline_parallel.schedules.interleaved_1f1b import microbatch_rounds
 
 
 def generate_interleaved_zero_bubble(

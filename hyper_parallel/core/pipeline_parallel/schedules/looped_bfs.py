@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..ir import MetaStep
-from ._common import bwd, check_count, fwd
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
+from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd
 
 
 def generate_looped_bfs(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..ir import MetaStep
-from ._common import bwd, check_count, fwd, one_f_one_b
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
+from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, one_f_one_b
 
 
 def generate_1f1b(num_ranks: int, num_microbatches: int) -> dict[int, list[MetaStep | None]]:

@@ -14,8 +14,8 @@ steps until the schedule finishes. The result is deterministic (the same on ever
 
 from __future__ import annotations
 
-from ..ir import MetaStep, MetaStepType, Schedule
-from ..job_model import run_job
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType, Schedule
+from hyper_parallel.core.pipeline_parallel.lowering.job_model import run_job
 
 _BACKWARDS = (MetaStepType.BWD, MetaStepType.BWD_INPUT)
 

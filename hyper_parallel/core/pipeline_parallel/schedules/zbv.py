@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..ir import MetaStep
-from ._common import check_count, fwd
-from ._weights import input_backward, place_weights
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
+from hyper_parallel.core.pipeline_parallel.schedules._common import check_count, fwd
+from hyper_parallel.core.pipeline_parallel.schedules._weights import input_backward, place_weights
 
 
 def generate_zbv_zero_bubble(num_ranks: int, num_microbatches: int) -> dict[int, list[MetaStep | None]]:

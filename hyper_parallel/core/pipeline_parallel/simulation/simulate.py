@@ -1,0 +1,230 @@
+"""Timed simulation of a schedule: per-rank timelines, makespan, bubbles, peak activations.
+
+`simulate` runs the step lists of all ranks together in the timed job model
+(``timed_model.py``: the rules of ``job_model.py`` plus time), so a schedule that cannot
+finish raises `ScheduleError` with the stuck steps marked. It takes a compute-only schedule
+(a value made on another rank arrives one message time after it was made) or a lowered one
+(send/recv steps with the eager or stream semantics of the transport).
+
+Definitions (time in milliseconds; see ``costs.py``):
+
+- ``makespan``: when the last rank finished (its last compute step, or a message it still
+  waited for);
+- ``busy[r]``: the sum of rank r's compute step times;
+- ``bubble_per_rank[r] = 1 - busy[r] / makespan``; ``bubble_fraction = 1 - sum(busy) /
+  (ranks * makespan)``, the idle share of all ranks' time;
+- ``peak_activations[r]``: the most (stage, micro-batch) forwards rank r holds at once: a
+  forward is held from its F until its B, or until its W when the backward is split;
+  ``peak_activation_bytes[r]`` the same in bytes: ``activation_bytes`` of the stage from F,
+  ``activation_bytes_after_input`` from I until W.
+
+`simulate_schedule` does the whole chain for a schedule class: generate, place, lower,
+simulate; without costs each rank's share of the model costs F = 1 and B = 2 (I = W = 1),
+split evenly over its chunks, so schedules with different chunk counts compare in one unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, legacy_costs
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType, Schedule
+from hyper_parallel.core.pipeline_parallel.simulation.timed_model import run_timed
+from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError
+
+_T = MetaStepType
+DEFAULT_COSTS: dict[MetaStepType, float] = {_T.FWD: 1.0, _T.BWD: 2.0, _T.BWD_INPUT: 1.0, _T.BWD_WEIGHT: 1.0}
+"""Per-type costs used when none are given (every stage the same)."""
+
+
+@dataclass
+class SimulationResult:
+    """What `simulate` predicts (see the module docstring). ``timeline[rank]`` lists
+    ``(start, end, step)`` of the compute steps; ``records`` is the trace of all ranks in the
+    measured-trace format of ``trace.py`` (times in milliseconds here)."""
+
+    makespan: float
+    bubble_fraction: float
+    peak_activations: dict[int, int]
+    timeline: dict[int, list[tuple[float, float, MetaStep]]]
+    bubble_per_rank: dict[int, float] = field(default_factory=dict)
+    peak_activation_bytes: dict[int, float] = field(default_factory=dict)
+    busy: dict[int, float] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """The numbers as plain JSON-ready data (ranks as string keys)."""
+        ranks = sorted(self.timeline)
+        return {
+            "makespan_ms": self.makespan,
+            "bubble_fraction": self.bubble_fraction,
+            "bubble_percent": 100.0 * self.bubble_fraction,
+            "ranks": [
+                {
+                    "rank": r,
+                    "busy_ms": self.busy.get(r, 0.0),
+                    "bubble_fraction": self.bubble_per_rank.get(r, 0.0),
+                    "peak_activations": self.peak_activations.get(r, 0),
+                    "peak_activation_bytes": self.peak_activation_bytes.get(r, 0.0),
+                }
+                for r in ranks
+            ],
+        }
+
+
+def _cost_model(costs: CostModel | dict[MetaStepType, float] | None, comm_cost: float, num_stages: int) -> CostModel:
+    if isinstance(costs, CostModel):
+        if comm_cost:
+            raise ValueError("give the message time in the CostModel (p2p_latency_ms), not as comm_cost")
+        return costs.for_stages(num_stages)
+    if costs is not None and not isinstance(costs, dict):
+        raise TypeError(f"costs must be a CostModel or a dict of MetaStepType -> time, got {type(costs).__name__}")
+    return legacy_costs(num_stages, {**DEFAULT_COSTS, **(costs or {})}, comm_cost)
+
+
+def simulate(
+    schedule: Schedule,
+    stage_to_rank: dict[int, int],
+    costs: CostModel | dict[MetaStepType, float] | None = None,
+    comm_cost: float = 0.0,
+    *,
+    model: str = "eager",
+    wait_at_post: bool = False,
+) -> SimulationResult:
+    """Simulate a compute-only or lowered schedule; ScheduleError if it cannot finish.
+
+    ``costs``: a `CostModel` (one entry per stage, or one for all), or the older per-type
+    dict (``{MetaStepType.FWD: 1.0, ...}``, every stage the same; ``comm_cost`` is then the
+    time of every message). ``model``: ``"eager"`` (gloo, the plain transport) or
+    ``"stream"`` (NCCL/HCCL, the batch transport) for lowered lists; ``wait_at_post``: the
+    communication steps wait for their receives (the runtime without ``overlap_p2p``).
+    """
+    table = _cost_model(costs, comm_cost, len(stage_to_rank))
+    lowered = any(s is not None and s.meta_type.is_comm for steps in schedule.values() for s in steps)
+    outcome = run_timed(schedule, stage_to_rank, table.step_time, table.message_time, lowered=lowered,
+                        model=model, wait_at_post=wait_at_post)
+    if not outcome.finished:
+        lines = []
+        marks = []
+        for rank, (index, wait) in sorted(outcome.stuck.items()):
+            position = _position_of(schedule[rank], index)
+            marks.append((rank, position))
+            step = schedule[rank][position] if position < len(schedule[rank]) else "its end"
+            lines.append(f"  rank {rank} is stuck at {step}, waiting for {wait}")
+        stuck = ", ".join(str(rank) for rank in sorted(outcome.stuck))
+        raise ScheduleError(f"simulation cannot finish: ranks {stuck} wait forever\n" + "\n".join(lines),
+                            schedule, marks)
+    return _summarize(schedule, outcome.compute, outcome.finish, outcome.records, table)
+
+
+def _position_of(steps: list[MetaStep | None], index: int) -> int:
+    seen = -1
+    for k, step in enumerate(steps):
+        if step is not None:
+            seen += 1
+            if seen == index:
+                return k
+    return max(len(steps) - 1, 0)
+
+
+def _summarize(schedule: Schedule, timeline: dict, finish: dict[int, float], records: list, costs: CostModel,
+               ) -> SimulationResult:
+    makespan = max(finish.values(), default=0.0)
+    busy = {rank: sum(end - start for start, end, _ in timeline[rank]) for rank in timeline}
+    capacity = len(timeline) * makespan
+    bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0
+    per_rank = {rank: (1.0 - busy[rank] / makespan if makespan > 0 else 0.0) for rank in timeline}
+    peaks = {rank: peak_activations(steps) for rank, steps in schedule.items()}
+    peak_bytes = {rank: peak_activation_bytes(steps, costs) for rank, steps in schedule.items()}
+    return SimulationResult(makespan, bubble, peaks, timeline, per_rank, peak_bytes, busy, records)
+
+
+def peak_activations(steps: list[MetaStep | None]) -> int:
+    """Most (stage, micro) pairs forwarded but not yet released (after B, or after W when
+    the backward is split) at any point of one rank's list."""
+    live = peak = 0
+    for step in steps:
+        if step is None:
+            continue
+        kinds = [part.meta_type for part in step.parts]
+        live += kinds.count(_T.FWD)
+        peak = max(peak, live)
+        live -= kinds.count(_T.BWD) + kinds.count(_T.BWD_WEIGHT)
+    return peak
+
+
+def peak_activation_bytes(steps: list[MetaStep | None], costs: CostModel) -> float:
+    """Like `peak_activations`, in bytes: a forward holds its stage's ``activation_bytes``,
+    after its I only ``activation_bytes_after_input``, nothing after B or W."""
+    live = peak = 0.0
+    for step in steps:
+        if step is None:
+            continue
+        parts = step.parts
+        for part in parts:
+            if part.meta_type is _T.FWD:
+                live += costs.stage(part.stage_index).activation_bytes
+        peak = max(peak, live)
+        for part in parts:
+            stage = costs.stage(part.stage_index) if part.stage_index is not None else None
+            if stage is None:
+                continue
+            if part.meta_type is _T.BWD:
+                live -= stage.activation_bytes
+            elif part.meta_type is _T.BWD_INPUT:
+                live -= stage.activation_bytes - stage.activation_bytes_after_input
+            elif part.meta_type is _T.BWD_WEIGHT:
+                live -= stage.activation_bytes_after_input
+    return peak
+
+
+# ---------------------------------------------------------------------- whole chain
+
+
+@dataclass
+class PlannedSchedule:
+    """A schedule class instantiated for (p, v, m): its compute lists, placement, lowered lists."""
+
+    name: str
+    num_ranks: int
+    num_chunks: int
+    num_microbatches: int
+    compute: Schedule
+    stage_to_rank: dict[int, int]
+    lowered: dict[int, list[MetaStep]] | None
+
+
+def plan_schedule(
+    schedule_class: Any, num_ranks: int, num_chunks: int, num_microbatches: int, *,
+    lowered: bool = True, transport: str = "plain", prefetch: bool = False, metadata: str = "none",
+) -> PlannedSchedule:
+    """Generate and place (and lower) a schedule of any class with the ``generate`` and
+    ``stage_placement`` classmethods. The chunk count of the result is read off the placement
+    (V schedules always hold 2 stages per rank)."""
+    from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+
+    placement = dict(schedule_class.stage_placement(num_ranks, num_chunks))
+    compute = schedule_class.generate(num_ranks, num_chunks, num_microbatches)
+    chunks = len(placement) // num_ranks
+    low = lower(compute, placement, transport, metadata=metadata, prefetch=prefetch) if lowered else None
+    return PlannedSchedule(getattr(schedule_class, "__name__", str(schedule_class)), num_ranks, chunks,
+                           num_microbatches, compute, placement, low)
+
+
+def simulate_schedule(
+    schedule_class: Any, num_ranks: int, num_chunks: int, num_microbatches: int,
+    costs: CostModel | None = None, *, lowered: bool = True, transport: str = "plain", prefetch: bool = False,
+    metadata: str = "none", wait_at_post: bool = False,
+) -> tuple[PlannedSchedule, SimulationResult]:
+    """`plan_schedule` then `simulate` (of the lowered lists when ``lowered``) with the
+    transport's communication model; default costs: `CostModel.per_rank_share` (F=1, B=2)."""
+    plan = plan_schedule(schedule_class, num_ranks, num_chunks, num_microbatches, lowered=lowered,
+                         transport=transport, prefetch=prefetch, metadata=metadata)
+    if costs is None:
+        costs = CostModel.per_rank_share(num_ranks, plan.num_chunks)
+    model = "stream" if transport == "batch" else "eager"
+    steps = plan.lowered if plan.lowered is not None else plan.compute
+    result = simulate(steps, plan.stage_to_rank, costs.for_stages(len(plan.stage_to_rank)), model=model,
+                      wait_at_post=wait_at_post)
+    return plan, result
