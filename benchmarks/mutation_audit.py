@@ -67,12 +67,12 @@ _NESTED = "tests/pipeline/test_pp_nested_inputs.py"
 _ZB = "tests/pipeline/test_pp_zero_bubble_local.py"
 _SPLIT = ["tests/platform/test_torch_autograd_kills.py", "tests/platform/test_backward_split.py", "tests/pipeline/test_pp_split_backward.py", _ZB]
 TESTS: dict[str, list[str]] = {
-    f"{PP}/runtime.py": [*_CORE, *_MATRIX, _TIED, "tests/pipeline/test_pp_edge_cases.py",
+    f"{PP}/runtime/executor.py": [*_CORE, *_MATRIX, _TIED, "tests/pipeline/test_pp_edge_cases.py",
                          "tests/pipeline/test_pp_errors.py", "tests/pipeline/test_pp_eval_step.py",
                          "tests/pipeline/test_pp_overlap_b_f_local.py", _NESTED, _ZB],
-    f"{PP}/lowering.py": [*_UNIT, *_CORE, *_MATRIX[1:]],
-    f"{PP}/microbatch.py": ["tests/pipeline_unit/test_pp_microbatch_kills.py", "tests/pipeline_unit/test_pp_microbatch.py", _NESTED, *_CORE],
-    f"{PP}/shared_params.py": [_TIED, _MATRIX[0], _CORE[0], "tests/pipeline/test_pp_edge_cases.py",
+    f"{PP}/lowering/p2p.py": [*_UNIT, *_CORE, *_MATRIX[1:]],
+    f"{PP}/runtime/microbatch.py": ["tests/pipeline_unit/test_pp_microbatch_kills.py", "tests/pipeline_unit/test_pp_microbatch.py", _NESTED, *_CORE],
+    f"{PP}/runtime/shared_params.py": [_TIED, _MATRIX[0], _CORE[0], "tests/pipeline/test_pp_edge_cases.py",
                                f"{_ZB}::test_tied_first_and_last_weights"],
     f"{PT}/autograd.py": [*_SPLIT, *_CORE],
     f"{PT}/split_backward.py": _SPLIT,

@@ -47,7 +47,7 @@ def cases():
 
 
 def mutant_module(key: str) -> types.ModuleType:
-    site = next(s for s in ma.find_sites(f"{ma.PP}/lowering.py") if s.key == key)
+    site = next(s for s in ma.find_sites(f"{ma.PP}/lowering/p2p.py") if s.key == key)
     spec = importlib.util.spec_from_loader("hyper_parallel.core.pipeline_parallel._lowering_mutant", loader=None)
     mod = importlib.util.module_from_spec(spec)
     mod.__package__ = "hyper_parallel.core.pipeline_parallel"
