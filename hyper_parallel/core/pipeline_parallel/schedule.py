@@ -108,8 +108,8 @@ class PipelineSchedule:
 
     ``comm_compute_overlap`` (a ``CommComputeOverlap`` wrapping the model's MoE layers) runs the
     schedule's ``OVERLAP_B_F`` / ``OVERLAP_F_B`` steps on it, so that one side's all-to-all is in
-    flight while the other side computes (``features/overlap_step.py``); without it their two sub-steps
-    run one after the other.
+    flight while the other side computes (``features/overlap_step.py``); without it their two
+    sub-steps run one after the other.
     """
 
     overlap_b_f = False  # whether the steady state's (backward, forward) pairs are fused (see subclasses)
@@ -204,7 +204,8 @@ class PipelineSchedule:
         """Let every registered feature add itself (``register_feature``); an option whose feature
         is not registered is refused rather than ignored."""
         for option, feature in _OPTION_FEATURE.items():
-            if options.get(option) not in (None, False) and feature not in _FEATURE_SETUPS:
+            value = options.get(option)
+            if value is not None and value is not False and feature not in _FEATURE_SETUPS:
                 raise RuntimeError(f"{option}= needs the {feature!r} feature, which is not registered (it registers "
                                    "when hyper_parallel.core.pipeline_parallel.features is imported)")
         for setup in list(_FEATURE_SETUPS.values()):
