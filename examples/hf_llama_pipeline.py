@@ -8,6 +8,7 @@ stages balanced by parameter count. Each stage module keeps the whole model's pa
     torchrun --nproc-per-node 4 examples/hf_llama_pipeline.py --steps 20 --ckpt /tmp/llama_ckpt
     torchrun --nproc-per-node 4 examples/hf_llama_pipeline.py --steps 30 --ckpt /tmp/llama_ckpt --resume
 
+``--steps`` is the total: the second command trains steps 20..29.
 The last stage's rank shows a tqdm progress bar with the loss and tokens/s, and every rank prints
 its stages (which pieces, how many parameters) at the start.
 """
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hyper_parallel as hp
+from hyper_parallel.core.pipeline_parallel.tools.profile import timing_caveat
 from hyper_parallel.core.pipeline_parallel.tools.split_layers import split_layers
 
 
@@ -91,7 +93,10 @@ class LlamaStage(nn.Module):
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20,
+                        help="total training steps, counted from step 0: with --resume, training goes on from the "
+                             "checkpoint's step up to this one (e.g. --steps 30 after a checkpoint at step 20 "
+                             "trains steps 20..29)")
     parser.add_argument("--chunks", type=int, default=2, help="stages per rank (interleaved 1F1B)")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
@@ -103,9 +108,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ckpt", default=None, help="checkpoint folder (written at the end and every --ckpt-every)")
     parser.add_argument("--ckpt-every", type=int, default=0)
-    parser.add_argument("--resume", action="store_true", help="start from --ckpt")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the checkpoint in --ckpt: its step, weights and optimizer state; "
+                             "--steps stays the total")
     parser.add_argument("--report", default=None, help="write the losses as JSON here (last stage's rank)")
     args = parser.parse_args(argv)
+    if args.resume and not args.ckpt:
+        parser.error("--resume needs --ckpt (the folder to continue from)")
     torch.set_num_threads(1)
 
     platform = hp.get_platform()
@@ -127,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         start = hp.load_checkpoint(args.ckpt, schedule, optimizer)["step"]
     is_last = stages[-1].is_last
     losses: list[float] = []
+    rates: list[float] = []
     bar = tqdm(range(start, args.steps), desc="llama pp", disable=not is_last, dynamic_ncols=True)
     for step in bar:
         tokens, target = batch(step, args)
@@ -137,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
         if step_losses:
             losses.append(sum(float(v) for v in step_losses) / len(step_losses))
             rate = tokens.numel() / (time.perf_counter() - began)
+            rates.append(rate)
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tokens_per_s=f"{rate:.0f}")
         done = step + 1
         if args.ckpt and (done == args.steps or (args.ckpt_every and done % args.ckpt_every == 0)):
@@ -145,7 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"rank": rank, "start": start, "losses": losses}
     if is_last:
         print(f"rank {rank}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over steps {start}..{args.steps - 1}"
-              if losses else f"rank {rank}: nothing to do", flush=True)
+              if losses else f"rank {rank}: nothing to do: training starts at step {start} and --steps {args.steps} is the total",
+              flush=True)
+        caveat = timing_caveat(rates)
+        if caveat and rates:
+            print(caveat, flush=True)  # about the tokens_per_s of the bar
         if args.report:
             with open(args.report, "w", encoding="utf-8") as f:
                 json.dump(report, f)

@@ -44,6 +44,7 @@ from torch import nn
 
 import hyper_parallel as hp
 from hyper_parallel.core.pipeline_parallel.features.overlap import CommComputeOverlap
+from hyper_parallel.core.pipeline_parallel.tools.profile import timing_caveat
 
 PP, EP = 2, 2
 CHUNKS = 2
@@ -305,6 +306,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{exposed * 1e3:.1f} ms exposed with overlap_b_f: {hidden * 1e3:.1f} ms hidden "
               f"({100 * hidden / total if total else 0.0:.0f}%); step {median('no overlap', 'seconds') * 1e3:.0f} ms "
               f"-> {median('overlap_b_f', 'seconds') * 1e3:.0f} ms (medians)", flush=True)
+        series = [[r[key] for r in rows] for rows in phases.values() for key in ("seconds", "all_to_all")]
+        caveat = timing_caveat(*series)
+        if caveat:
+            print(f"rank {dist.get_rank()}: {caveat}", flush=True)
     if args.out:
         with open(f"{args.out}.rank{dist.get_rank()}.json", "w") as f:
             json.dump(report, f)

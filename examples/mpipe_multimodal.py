@@ -29,6 +29,7 @@ from torch import nn
 
 import hyper_parallel as hp
 from hyper_parallel.core.pipeline_parallel.features.mpipe.model import compare_warmup
+from hyper_parallel.core.pipeline_parallel.tools.profile import timing_caveat
 
 
 class VisionEncoder(nn.Module):
@@ -196,6 +197,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"(ratio {med['mpipe'] / med['plain']:.3f})")
         print(f"median warm-up:   plain {1000 * warm['plain']:.1f} ms, mpipe {1000 * warm['mpipe']:.1f} ms, "
               f"saved {1000 * (warm['plain'] - warm['mpipe']):.1f} ms")
+        caveat = timing_caveat(times["plain"], times["mpipe"], warmups["plain"], warmups["mpipe"])
+        if caveat:
+            print(caveat)
         print("simulated (encoder layer = decoder layer, F = 1 per rank's share): makespan plain "
               f"{sim['plain'].result.makespan:g} mpipe {sim['mpipe'].result.makespan:g}; warm-up plain "
               f"{sim['plain'].warmup_end:g} mpipe {sim['mpipe'].warmup_end:g}")

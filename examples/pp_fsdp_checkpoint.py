@@ -65,7 +65,13 @@ class PeakTracker:
             for layer in module.modules():
                 if isinstance(layer, nn.Linear):
                     layer.register_forward_pre_hook(self.sample)
-                    layer.register_full_backward_pre_hook(self.sample)
+                    layer.register_forward_hook(self.sample_before_backward)
+
+    def sample_before_backward(self, _layer: nn.Module, _inputs: object, output: torch.Tensor) -> None:
+        # The output's gradient hook runs just before the layer's backward. (A full backward pre-hook
+        # would too, but PyTorch warns about it on the first layer, whose input needs no gradient.)
+        if output.requires_grad:
+            output.register_hook(self.sample)
 
     def sample(self, *_: object) -> None:
         if not self.sharded:

@@ -92,6 +92,12 @@ def _check_micro_batches(parser: argparse.ArgumentParser, args: argparse.Namespa
 
 
 def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from hyper_parallel.demo.train import check_ranks
+
+    try:
+        check_ranks(args.ranks)
+    except ValueError as exc:
+        parser.error(f"argument --ranks: {exc}")
     chunks = _resolve_chunks(parser, args)
     _check_micro_batches(parser, args, chunks)
     if args.batch_size % args.micro_batches:

@@ -29,8 +29,9 @@ def _run_in_tmp(tmp_path, monkeypatch):
     yield
 
 
-def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 240) -> None:
-    """Run ``script`` on ``nproc`` gloo ranks with torch's own launcher; fail with the logs.
+def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 240) -> str:
+    """Run ``script`` on ``nproc`` gloo ranks with torch's own launcher; fail with the logs, else return
+    them (stdout, then stderr).
 
     The job gets a free port; if another process grabbed that port before the launcher bound
     it (a race no test can exclude), the job is started once more on a new port.
@@ -48,7 +49,7 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 240) -> N
         except subprocess.TimeoutExpired as exc:
             raise AssertionError(f"torchrun job {script} hung for {timeout}s:\n{exc.stdout}\n{exc.stderr}") from exc
         if proc.returncode == 0:
-            return
+            return proc.stdout + proc.stderr
         port_taken = "address already in use" in (proc.stdout + proc.stderr).lower()
         if not port_taken or attempt == 1:
             raise AssertionError(

@@ -33,6 +33,10 @@ def _usage_error(capsys, argv: list[str]) -> str:
         (["demo", "--steps", "two"], "argument --steps: must be an integer, got 'two'"),
         (["demo", "--ranks", "1"], "argument --ranks: must be an integer >= 2, got 1"),
         (["demo", "--ranks", "-4"], "argument --ranks: must be an integer >= 2, got -4"),
+        (["demo", "--ranks", "7"],
+         "argument --ranks: the demo's GPT has 6 transformer blocks, so it runs on at most 6 pipeline ranks, got 7"),
+        (["demo", "--schedule", "zbv", "--ranks", "16", "--micro-batches", "32", "--batch-size", "32"],
+         "argument --ranks: the demo's GPT has 6 transformer blocks, so it runs on at most 6 pipeline ranks, got 16"),
         (["demo", "--micro-batches", "0"], "argument --micro-batches: must be an integer >= 1, got 0"),
         (["demo", "--batch-size", "-16"], "argument --batch-size: must be an integer >= 1, got -16"),
         (["demo", "--micro-batches", "3"],
@@ -59,6 +63,13 @@ def _usage_error(capsys, argv: list[str]) -> str:
 def test_bad_options_are_usage_errors(capsys, argv, message):
     err = _usage_error(capsys, argv)
     assert f"hyper-parallel {argv[0]}: error: {message}" in err, err
+
+
+def test_more_ranks_than_blocks_is_refused_in_one_line(capsys):
+    err = _usage_error(capsys, ["demo", "--ranks", "8"])  # nothing printed or launched (checked there)
+    assert [line for line in err.splitlines() if "error" in line] == [
+        "hyper-parallel demo: error: argument --ranks: the demo's GPT has 6 transformer blocks, so it runs on at "
+        "most 6 pipeline ranks, got 8"]
 
 
 def test_no_command_prints_the_help(capsys):
@@ -108,6 +119,10 @@ def test_demo_options_are_checked_in_the_library_too():
         DemoOptions(ranks=1)
     with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
         DemoOptions(steps=0)
+    with pytest.raises(ValueError, match="the demo's GPT has 6 transformer blocks, so it runs on at most 6 pipeline "
+                                         "ranks, got 8"):
+        DemoOptions(ranks=8, micro_batches=8)
+    assert DemoOptions(ranks=6, micro_batches=8).ranks == 6
     with pytest.raises(ValueError, match="the gpipe schedule runs one stage per rank, so chunks must be 1, got 2"):
         DemoOptions(schedule="gpipe", chunks=2)
     assert DemoOptions(schedule="looped-bfs").chunks == 2 and DemoOptions().chunks == 1

@@ -65,6 +65,16 @@ def check_chunks(schedule: str, chunks: int) -> None:
         raise ValueError(f"the {schedule} schedule runs between {low} and {high} stages per rank, got chunks={chunks}")
 
 
+N_LAYERS = 6  # transformer blocks of the demo's GPT (model_config)
+
+
+def check_ranks(ranks: int) -> None:
+    """Raise ValueError if the demo's GPT has fewer transformer blocks than ``ranks`` (a rank would get none)."""
+    if ranks > N_LAYERS:
+        raise ValueError(f"the demo's GPT has {N_LAYERS} transformer blocks, so it runs on at most {N_LAYERS} "
+                         f"pipeline ranks, got {ranks}")
+
+
 def check_micro_batches(schedule: str, ranks: int, chunks: int, micro_batches: int) -> None:
     """Raise ValueError if ``schedule`` needs more than ``micro_batches`` micro-batches."""
     minimum = SCHEDULES[schedule][0].min_microbatches(ranks, chunks)
@@ -98,6 +108,7 @@ class DemoOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        check_ranks(self.ranks)
         check_chunks(self.schedule, self.chunks)
         check_micro_batches(self.schedule, self.ranks, self.chunks, self.micro_batches)
         if self.batch_size % self.micro_batches:
@@ -105,7 +116,7 @@ class DemoOptions:
 
 
 def model_config(vocab_size: int, seq_len: int) -> GPTConfig:
-    return GPTConfig(vocab_size=vocab_size, max_seq_len=seq_len, d_model=64, n_heads=4, n_layers=6,
+    return GPTConfig(vocab_size=vocab_size, max_seq_len=seq_len, d_model=64, n_heads=4, n_layers=N_LAYERS,
                      tie_embeddings=True)
 
 

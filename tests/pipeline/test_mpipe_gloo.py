@@ -35,7 +35,7 @@ def test_example_runs_short_with_and_without_mpipe(tmp_path):
     """With lr = 0 every step sees the same parameters and batch: the MPipe steps and the plain
     steps must print the same loss."""
     out = tmp_path / "summary.json"
-    run_torchrun(os.path.join(REPO_ROOT, "examples", "mpipe_multimodal.py"), 4, "--steps", "4", "--skip", "0",
+    logs = run_torchrun(os.path.join(REPO_ROOT, "examples", "mpipe_multimodal.py"), 4, "--steps", "4", "--skip", "0",
                  "--dim", "16", "--image-size", "8", "--seq", "4", "--vocab", "16", "--encoder-layers", "2",
                  "--lr", "0", "--out", str(out), timeout=300)
     summary = json.loads(out.read_text())
@@ -45,3 +45,6 @@ def test_example_runs_short_with_and_without_mpipe(tmp_path):
     assert np.isfinite(losses).all()
     np.testing.assert_allclose(losses, losses[0], rtol=1e-5)
     assert len(summary["times"]["mpipe"]) == len(summary["times"]["plain"]) == 2
+    assert "Warning" not in logs, logs
+    if len(os.sched_getaffinity(0)) < 4:  # 4 ranks on fewer cores: the times come with the caveat
+        assert "caveat: 4 processes share" in logs, logs

@@ -61,7 +61,7 @@ def test_example_runs_as_written_with_short_settings(tmp_path):
     """Four steps alternating plain / overlap_b_f on the same stages: two of each, every loss
     finite, the last stage's ranks print them, the report adds up."""
     out = tmp_path / "report"
-    run_torchrun(os.path.join(REPO_ROOT, "examples", "moe_overlap.py"), WORLD, "--width", "16", "--hidden", "32",
+    logs = run_torchrun(os.path.join(REPO_ROOT, "examples", "moe_overlap.py"), WORLD, "--width", "16", "--hidden", "32",
                  "--tokens", "4", "--micro-batches", "4", "--steps", "4", "--out", str(out), timeout=300)
     reports = [json.loads((tmp_path / f"report.rank{r}.json").read_text()) for r in range(WORLD)]
     for report in reports:
@@ -70,3 +70,6 @@ def test_example_runs_as_written_with_short_settings(tmp_path):
         assert report["hidden"] == pytest.approx(report["all_to_all"] - report["exposed"])
     losses = [row["loss"] for r in reports[2:] for rows in r["phases"].values() for row in rows]
     assert len(losses) == 8 and np.isfinite(losses).all()
+    assert "Warning" not in logs, logs
+    if len(os.sched_getaffinity(0)) < WORLD:  # more ranks than cores: every rank's times come with the caveat
+        assert all(f"rank {r}: caveat: {WORLD} processes share" in logs for r in range(WORLD)), logs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hyper_parallel.core.pipeline_parallel.tools.profile import profile_stages
+from hyper_parallel.core.pipeline_parallel.tools.profile import profile_stages, timing_caveat
 
 BATCH, WIDTH = 8, 64
 
@@ -145,3 +145,24 @@ def test_identical_stages_are_those_of_one_module_type_shapes_and_role():
     assert len({_signature(p, m, (x,), False, False) for m in (same[0], relu, dropout)}) == 3
     assert _signature(p, dropout, (x,), False, False) != _signature(
         p, torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.1)), (x,), False, False)
+
+
+def test_timing_caveat_names_why_times_mean_little():
+    quiet = {"processes": 2, "cores": 4, "load": 1.0}
+    assert timing_caveat([1.0, 1.1, 0.9, 1.0], **quiet) is None
+    tail = ": these times say more about this machine's load than about the pipeline"
+    assert timing_caveat(processes=4, cores=2, load=1.0) == "caveat: 4 processes share 2 CPU core(s)" + tail
+    assert timing_caveat(processes=1, cores=2, load=3.5) == "caveat: the load average is 3.5 on 2 core(s)" + tail
+    # one series of repeats whose median absolute deviation is over 25% of its median is enough
+    assert timing_caveat([1.0, 1.0, 1.0], [1.0, 2.0, 1.5, 3.0, 0.5], **quiet) == (
+        "caveat: repeats spread 33% around their median" + tail)
+    assert timing_caveat([1.0, 5.0], **quiet) is None  # two values are not a spread
+    assert timing_caveat(processes=3, cores=2, load=2.5).startswith(
+        "caveat: 3 processes share 2 CPU core(s), the load average is 2.5 on 2 core(s): ")
+
+
+def test_timing_caveat_reads_the_launchers_process_count(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert timing_caveat(cores=4, load=0.0).startswith("caveat: 8 processes share 4 CPU core(s)")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert timing_caveat(cores=4, load=0.0) is None

@@ -451,7 +451,9 @@ class PipelineSchedule:
         return list({id(q): q for _, q in named if id(q) not in stage}.values())
 
     def named_parameters(self) -> dict[str, Any]:
-        """This rank's trainable parameters by a name unique on the rank: ``stage<index>.<name>``."""
+        """This rank's trainable parameters as a dict, by a name unique on the rank: ``stage<index>.<name>``
+        with ``<name>`` the stage's own (``PipelineStage.named_params``); a parameter that several stages
+        share appears once, under the first."""
         out: dict[str, Any] = {}
         seen: set[int] = set()
         for st in self.stages:
@@ -463,7 +465,7 @@ class PipelineSchedule:
         return out
 
     def named_gradients(self) -> dict[str, Any]:
-        """The gradients of :meth:`named_parameters` that exist, by the same names."""
+        """The gradients of :meth:`named_parameters` that exist: a dict with the same names."""
         out = {}
         for name, param in self.named_parameters().items():
             grad = self.platform.get_grad(param)

@@ -82,7 +82,8 @@ class PipelineStage:
 
     @property
     def named_params(self) -> list[tuple[str, Any]]:
-        """The trainable parameters of ``submodule`` now, by name."""
+        """The trainable parameters of ``submodule`` now, as a list of ``(name, parameter)`` pairs: on torch
+        the submodule's own names (``0.weight``), on MindSpore ``Parameter.name``."""
         return self.platform.named_parameters(self.submodule)
 
     @property
@@ -112,7 +113,8 @@ class PipelineStage:
         return self.stage_index == self.stage_num - 1
 
     def named_gradients(self) -> dict[str, Any]:
-        """Accumulated gradient of every trainable parameter that has one, by parameter name."""
+        """Accumulated gradient of every trainable parameter that has one: a dict keyed by the names of
+        :attr:`named_params` (the stage's own names; ``schedule.named_gradients()`` prefixes ``stage<i>.``)."""
         out = {}
         for name, p in self.named_params:
             grad = self.platform.get_grad(p)

@@ -33,6 +33,7 @@ was before).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -151,6 +152,40 @@ def _spread(values: list[float]) -> float:
     if len(values) < 2 or mid <= 0:
         return 0.0
     return statistics.median(abs(v - mid) for v in values) / mid
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def timing_caveat(*samples: Sequence[float], processes: int | None = None, cores: int | None = None,
+                  load: float | None = None, max_spread: float = MAX_SPREAD) -> str | None:
+    """A line to print under times measured on this host when the host is too loaded for them to mean
+    much, else None. The reasons it names:
+
+    - more processes of this job on the host (``processes``, default ``LOCAL_WORLD_SIZE`` as set by
+      torchrun, else 1) than CPU cores this process may use (``cores``): the ranks take turns, and a
+      time measures the turn-taking;
+    - a 1-minute load average (``load``, default ``os.getloadavg()``) above the cores: other work competes;
+    - a series of repeats (each of ``samples``, three or more) whose median absolute deviation is more
+      than ``max_spread`` of its median (as the profiler warns).
+    """
+    cores = _usable_cores() if cores is None else cores
+    if processes is None:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if load is None and hasattr(os, "getloadavg"):
+        load = os.getloadavg()[0]
+    reasons = []
+    if processes > cores:
+        reasons.append(f"{processes} processes share {cores} CPU core(s)")
+    if load is not None and load > cores:
+        reasons.append(f"the load average is {load:.1f} on {cores} core(s)")
+    spreads = [_spread(list(series)) for series in samples if len(series) >= 3]
+    if spreads and max(spreads) > max_spread:
+        reasons.append(f"repeats spread {max(spreads):.0%} around their median")
+    if not reasons:
+        return None
+    return f"caveat: {', '.join(reasons)}: these times say more about this machine's load than about the pipeline"
 
 
 def _signature(platform: Any, module: Any, args: tuple[Any, ...], first: bool, last: bool) -> Any:
