@@ -185,3 +185,36 @@ def test_stage_device_is_checked_and_used():
         return sched.run(torch.ones(4, 2), target=torch.ones(4, 2))
 
     assert len(LocalCluster(1).run(body)[0]) == 2
+
+
+def test_eval_with_a_run_hook_written_without_before_eval():
+    """A feature's run hook that is not a RunHook subclass (the documented duck type: before_run,
+    after_run, on_failure) keeps working in eval(), which asks hooks for before_eval only if they have it."""
+    calls = []
+
+    class CountingHook:
+        def before_run(self, schedule, runtime):
+            calls.append("before_run")
+
+        def after_run(self, schedule, runtime):
+            calls.append("after_run")
+
+        def on_failure(self, schedule):
+            calls.append("on_failure")
+
+    job = MatrixJob(Schedule1F1B, 1, 4, dict(p2p_transport="plain", overlap_p2p=True))
+
+    def body():
+        p = get_platform()
+        placement = Schedule1F1B.stage_placement(p.world_size, 1)
+        stages = build_stages(job, len(placement), placement)
+        sched = Schedule1F1B(stages[0], 4, loss_fn=mse, **job.options)
+        sched.add_feature(hook=CountingHook())
+        x, y = (torch.from_numpy(a) for a in batch(8, 4, False))
+        last = stages[-1].is_last
+        sched.eval(x, target=y if last else None)
+        sched.run(x, target=y if last else None)
+        return True
+
+    assert LocalCluster(2).run(body) == [True, True]
+    assert calls.count("before_run") == 2 and calls.count("after_run") == 2 and "on_failure" not in calls

@@ -1,6 +1,6 @@
 """Runtime properties that the mutation audit found unchecked (benchmarks/results/mutation_audit.md).
 
-Each test states a property of ``runtime.py`` / ``lowering.py`` that no other test looked at:
+Each test states a property of ``runtime/executor.py`` / ``lowering/p2p.py`` that no other test looked at:
 every send is completed before a run returns, a peer that dies is named, a step without a peer
 is refused with its name, a last stage without ``loss_fn`` returns its loss alone.
 """

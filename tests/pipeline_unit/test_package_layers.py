@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -63,16 +65,27 @@ def _imports(module: str, path: str) -> Iterator[tuple[str, int]]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            subs = [a.name for a in node.names if f"{name}.{a.name}" in MODULES]
+            subs = [a.name for a in node.names if _resolve(f"{name}.{a.name}") in MODULES]
             yield from ((f"{name}.{s}", node.lineno) for s in subs)
             if len(subs) < len(node.names):  # names from the module itself
                 yield name, node.lineno
 
 
+def _resolve(name: str) -> str:
+    """An old flat path (``_moved_modules.MOVED``) is an import of the module at its new home."""
+    from hyper_parallel.core.pipeline_parallel._moved_modules import MOVED
+
+    head, _, rest = name[len(PP) + 1:].partition(".") if name.startswith(PP + ".") else ("", "", "")
+    if head in MOVED:
+        return f"{PP}.{MOVED[head]}" + (f".{rest}" if rest else "")
+    return name
+
+
 def _edges() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = {}
     for mod, path in MODULES.items():
-        edges[mod] = {name for name, _ in _imports(mod, path) if name in MODULES and name != mod}
+        names = {_resolve(name) for name, _ in _imports(mod, path)}
+        edges[mod] = {name for name in names if name in MODULES and name != mod}
     return edges
 
 
@@ -224,10 +237,84 @@ def test_an_unregistered_feature_option_is_refused(monkeypatch):
     """swap=True with no swap feature registered fails loudly instead of running without swap."""
     from hyper_parallel.core.pipeline_parallel import schedule
 
-    monkeypatch.delitem(schedule._FEATURE_SETUPS, "swap")
+    monkeypatch.setattr(schedule, "_FEATURES", {k: v for k, v in schedule._FEATURES.items() if k != "swap"})
 
     class Stub:  # only what _set_up_features reads
         pass
 
-    with pytest.raises(RuntimeError, match="swap= needs the 'swap' feature"):
-        schedule.PipelineSchedule._set_up_features(Stub(), {"swap": True})
+    with pytest.raises(RuntimeError, match="swap= needs a feature that runs it"):
+        schedule.PipelineSchedule._set_up_features(Stub(), {"swap": True, "swap_threshold": 4})
+    monkeypatch.setattr(schedule, "_FEATURES", {})  # nothing registered: options that are off need nothing
+    schedule.PipelineSchedule._set_up_features(Stub(), {"swap": False, "swap_threshold": None,
+                                                        "comm_compute_overlap": None})
+
+
+def test_features_run_in_their_stated_order_whatever_the_registration_order(monkeypatch):
+    """The compiled-stage check must see what swap set up: the order is stated, not the dict's."""
+    from hyper_parallel.core.pipeline_parallel import schedule
+
+    features = dict(reversed(list(schedule._FEATURES.items())))
+    monkeypatch.setattr(schedule, "_FEATURES", features)
+    seen = []
+    for name in features:
+        f = features[name]
+        if f.setup is not None:
+            monkeypatch.setitem(features, name, schedule._Feature(
+                f.name, f.order, lambda sch, opts, name=name: seen.append(name), f.reader, f.options))
+    schedule.PipelineSchedule._set_up_features(object(), {})
+    assert seen == ["swap", "compiled_check", "overlap_step"]
+
+
+def test_the_registry_survives_a_reload_of_the_schedule_module():
+    """IPython's autoreload reloads modules: the features registered once must stay registered
+    (in a fresh interpreter: a reload here would give this process's tests new class objects)."""
+    code = ("import importlib\n"
+            "from hyper_parallel.core.pipeline_parallel import schedule\n"
+            "before = sorted(schedule._FEATURES)\n"
+            "importlib.reload(schedule)\n"
+            "print(before == sorted(schedule._FEATURES), 'swap' in before)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "True"]
+
+
+def test_old_submodule_attributes_of_the_package():
+    """``pp.stage``, ``pp.simulate`` ... (attributes of the package before the move) still answer."""
+    import hyper_parallel.core.pipeline_parallel as pp
+    from hyper_parallel.core.pipeline_parallel import _moved_modules
+
+    for old, new in _moved_modules.MOVED.items():
+        assert getattr(pp, old) is importlib.import_module(f"{PP}.{new}"), old
+    with pytest.raises(AttributeError):
+        pp.no_such_module  # noqa: B018
+
+
+def test_an_old_path_import_leaves_the_module_its_own_spec():
+    """Importing a module by its old name must not rename it: reload and tools read __spec__."""
+    module = importlib.import_module(f"{PP}.simulate")
+    assert module.__spec__.name == f"{PP}.simulation.simulate"
+    assert module.__spec__.origin and module.__spec__.origin.endswith("simulation/simulate.py")
+    assert importlib.reload(module) is module and module.__name__ == f"{PP}.simulation.simulate"
+
+
+def test_old_lowering_and_runtime_names_still_import():
+    from hyper_parallel.core.pipeline_parallel.lowering import METADATA, TRANSPORTS, counterpart, lower, peer_rank  # noqa: F401
+    from hyper_parallel.core.pipeline_parallel.runtime import (  # noqa: F401
+        P2P_TYPES,
+        CustomFunction,
+        PeerError,
+        PipelineRuntime,
+        StageError,
+        StepContext,
+    )
+
+
+def test_checker_sees_an_import_by_an_old_path():
+    """A lazy import of a feature by its old flat path inside schedule.py is an upward edge too."""
+    from hyper_parallel.core.pipeline_parallel._moved_modules import MOVED
+
+    assert _resolve(f"{PP}.memory_stats") == f"{PP}.{MOVED['memory_stats']}"
+    edges = _edges()
+    edges[f"{PP}.schedule"] = edges[f"{PP}.schedule"] | {_resolve(f"{PP}.memory_stats")}
+    assert _cycles(edges)

@@ -8,6 +8,9 @@ classes: generate -> lower -> validate -> run) <- ``features`` (plug in through 
 above. Each sub-package's docstring says what it may import; nothing imports upwards.
 """
 
+import importlib
+from types import ModuleType
+
 from hyper_parallel.core.pipeline_parallel import _moved_modules
 from hyper_parallel.core.pipeline_parallel.features.mpipe.transpose import ScheduleMPipeTranspose
 from hyper_parallel.core.pipeline_parallel.ir.schedule_csv import (
@@ -39,6 +42,14 @@ from hyper_parallel.core.pipeline_parallel.zero_bubble_schedules import (
 from hyper_parallel.core.pipeline_parallel import features  # noqa: E402,F401  isort: skip
 
 _moved_modules.install()
+
+
+def __getattr__(name: str) -> ModuleType:
+    """The old flat modules as attributes of the package, as before (``pp.stage``, ``pp.simulate``)."""
+    if name in _moved_modules.MOVED:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BatchDimSpec",

@@ -67,14 +67,14 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: Any) -> Any:
         module = importlib.import_module(f"{PACKAGE}.{MOVED[spec.name[len(PACKAGE) + 1:]]}")
-        sys.modules[spec.name] = module
+        spec.loader_state = module.__spec__  # the import system sets module.__spec__ = spec next
         return module
 
     def exec_module(self, module: Any) -> None:
-        return None
+        module.__spec__ = module.__spec__.loader_state  # the module keeps its own spec (reload, tools)
 
 
 def install() -> None:
     """Put the finder on ``sys.meta_path`` once per process."""
     if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
-        sys.meta_path.append(_MovedModuleFinder())
+        sys.meta_path.insert(0, _MovedModuleFinder())  # before PathFinder: a stale old file never wins

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -80,22 +81,32 @@ FeatureSetup = Callable[["PipelineSchedule", Mapping[str, Any]], None]
 """``setup(schedule, options)``: called by every schedule's constructor with the feature options
 it was given (``swap``, ``swap_threshold``, ``comm_compute_overlap``); it adds what the feature
 needs through ``schedule.add_feature`` (or nothing when its option is off)."""
-_FEATURE_SETUPS: dict[str, FeatureSetup] = {}
-_FEATURE_READERS: dict[str, Callable[["PipelineSchedule"], Any]] = {}
-_OPTION_FEATURE = {"swap": "swap", "comm_compute_overlap": "overlap_step"}  # option -> feature that runs it
+
+
+@dataclass(frozen=True)
+class _Feature:
+    name: str
+    order: int
+    setup: FeatureSetup | None
+    reader: Callable[[PipelineSchedule], Any] | None
+    options: tuple[str, ...]
+
+
+# kept across importlib.reload of this module (IPython autoreload): the features registered once
+_FEATURES: dict[str, _Feature] = globals().get("_FEATURES", {})
 
 
 def register_feature(name: str, setup: FeatureSetup | None = None,
-                     reader: Callable[[PipelineSchedule], Any] | None = None) -> None:
-    """Plug a feature into every schedule built from now on, under ``name``: ``setup`` runs in
-    each constructor (in registration order, after the stages are placed and before the plan is
-    built and validated); ``reader`` answers ``schedule.feature_result(name)``. The features of
+                     reader: Callable[[PipelineSchedule], Any] | None = None, *, options: Sequence[str] = (),
+                     order: int = 100) -> None:
+    """Plug a feature into every schedule built from now on, under ``name`` (registering a name
+    again replaces it): ``setup`` runs in each constructor, features by ascending ``order`` (then
+    name), after the stages are placed and before the plan is built and validated; ``reader``
+    answers ``schedule.feature_result(name)``; ``options`` are the constructor options the feature
+    runs (an option set while no registered feature owns it is refused). The features of
     ``pipeline_parallel/features`` register themselves when the package is imported; the schedule
     class imports none of them."""
-    if setup is not None:
-        _FEATURE_SETUPS[name] = setup
-    if reader is not None:
-        _FEATURE_READERS[name] = reader
+    _FEATURES[name] = _Feature(name, order, setup, reader, tuple(options))
 
 
 class PipelineSchedule:
@@ -189,7 +200,8 @@ class PipelineSchedule:
         self._host_grads: dict[int, tuple[Any, Any]] = {}  # gradient copies a failed run restores, reused
         self._runs = 0
         self.comm_compute_overlap = None
-        self._set_up_features({"swap": swap, "swap_threshold": swap_threshold,
+        # the threshold means something (and is checked) only with swap=True, as it always did
+        self._set_up_features({"swap": swap, "swap_threshold": swap_threshold if swap else None,
                                "comm_compute_overlap": comm_compute_overlap})
         self.outputs: Any = None
         self.peak_activations = 0
@@ -201,15 +213,17 @@ class PipelineSchedule:
             shared_params.sync_values(self.platform, self._by_index, self._holders)
 
     def _set_up_features(self, options: Mapping[str, Any]) -> None:
-        """Let every registered feature add itself (``register_feature``); an option whose feature
-        is not registered is refused rather than ignored."""
-        for option, feature in _OPTION_FEATURE.items():
-            value = options.get(option)
-            if value is not None and value is not False and feature not in _FEATURE_SETUPS:
-                raise RuntimeError(f"{option}= needs the {feature!r} feature, which is not registered (it registers "
-                                   "when hyper_parallel.core.pipeline_parallel.features is imported)")
-        for setup in list(_FEATURE_SETUPS.values()):
-            setup(self, options)
+        """Let every registered feature add itself (``register_feature``), in their fixed order; an
+        option that is set while no registered feature owns it is refused rather than ignored."""
+        features = sorted(_FEATURES.values(), key=lambda f: (f.order, f.name))
+        owned = {option for f in features for option in f.options}
+        for option, value in options.items():
+            if value is not None and value is not False and option not in owned:
+                raise RuntimeError(f"{option}= needs a feature that runs it, and none is registered (the library's "
+                                   "register when hyper_parallel.core.pipeline_parallel.features is imported)")
+        for feature in features:
+            if feature.setup is not None:
+                feature.setup(self, options)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -486,10 +500,11 @@ class PipelineSchedule:
 
     def feature_result(self, name: str) -> Any:
         """What the registered feature ``name`` reports about this schedule (``register_feature``)."""
-        reader = _FEATURE_READERS.get(name)
-        if reader is None:
-            raise RuntimeError(f"no feature {name!r} is registered; registered: {sorted(_FEATURE_READERS)}")
-        return reader(self)
+        feature = _FEATURES.get(name)
+        if feature is None or feature.reader is None:
+            reporting = sorted(f.name for f in _FEATURES.values() if f.reader is not None)
+            raise RuntimeError(f"no registered feature {name!r} reports results; those that do: {reporting}")
+        return feature.reader(self)
 
     def zero_grad(self) -> None:
         """Drop the gradients of every parameter of this rank's stages."""
@@ -598,7 +613,9 @@ class PipelineSchedule:
     def _forward(self, args: Sequence[Any], kwargs: Mapping[str, Any], target: Any, *, concat_dim: int,
                  want_outputs: bool, losses: list | None) -> Any:
         for hook in self._run_hooks:
-            hook.before_eval(self)  # no training run hooks here; a feature's checks (the context may be GRAPH_MODE now)
+            before_eval = getattr(hook, "before_eval", None)  # hooks written before before_eval existed
+            if before_eval is not None:
+                before_eval(self)
         micro_args, micro_kwargs, targets = self._split(args, kwargs, target)
         runtime = self._runtime(micro_args, micro_kwargs, targets, keep_outputs=want_outputs, forward_only=True)
         self._execute(runtime, self._lowered("all" if self.dyn_shape else "first", forward_only=True))

@@ -15,9 +15,8 @@ platform. Never the tools; the core never imports a feature.
 
 from hyper_parallel.core.pipeline_parallel.features import compiled_check, memory_stats, overlap_step, swap
 
-# in this order, the order their setups ran in when the constructor called them by name: swap's
-# hook first, the compiled-stage check (which refuses swap=True where stages compile) before any
-# run hook, then the overlap handler
+# each states its order (swap 10, compiled_check 20, overlap_step 30): the order the constructor ran
+# them in when it called them by name; the order of these calls does not matter
 for _feature in (swap, compiled_check, overlap_step, memory_stats):
     _feature.register()
 

@@ -105,4 +105,5 @@ def enable_activation_check(schedule: PipelineSchedule) -> None:
 
 def register() -> None:
     """Check every schedule built from now on (``features/__init__`` calls this)."""
-    register_feature("compiled_check", lambda schedule, options: enable_activation_check(schedule))
+    # after swap (order 10): it refuses swap=True where stages compile, reading what swap set up
+    register_feature("compiled_check", lambda schedule, options: enable_activation_check(schedule), order=20)

@@ -116,4 +116,4 @@ def _set_up(schedule: PipelineSchedule, options: Mapping[str, Any]) -> None:
 def register() -> None:
     """Make ``comm_compute_overlap=`` work on every schedule built from now on (``features/__init__``
     calls this)."""
-    register_feature("overlap_step", _set_up)
+    register_feature("overlap_step", _set_up, options=("comm_compute_overlap",), order=30)

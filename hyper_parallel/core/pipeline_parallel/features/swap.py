@@ -192,4 +192,4 @@ def _set_up(schedule: PipelineSchedule, options: Mapping[str, Any]) -> None:
 
 def register() -> None:
     """Make ``swap=True`` work on every schedule built from now on (``features/__init__`` calls this)."""
-    register_feature("swap", _set_up)
+    register_feature("swap", _set_up, options=("swap", "swap_threshold"), order=10)

@@ -10,7 +10,7 @@ which both of them use as their proof; ``plan_cache`` keeps a plan per shape wit
 May import: ``ir``. Never the runtime, the features, the tools, a tensor or a framework.
 """
 
-from hyper_parallel.core.pipeline_parallel.lowering.p2p import TRANSPORTS, lower, peer_rank
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import METADATA, TRANSPORTS, counterpart, lower, peer_rank
 from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError, validate_lowered
 
-__all__ = ["TRANSPORTS", "ScheduleError", "lower", "peer_rank", "validate_lowered"]
+__all__ = ["METADATA", "TRANSPORTS", "counterpart", "ScheduleError", "lower", "peer_rank", "validate_lowered"]

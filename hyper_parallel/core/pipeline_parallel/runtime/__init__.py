@@ -7,11 +7,15 @@ DTensor layouts neighbours exchange), ``wait_watch`` (timeouts that name the ste
 ``grad_state`` (gradients a failed run puts back), ``agreement`` (every rank built the same
 schedule), ``shared_params`` (tied weights across ranks), ``tracing`` (step records of a run).
 
-May import: ``ir``, ``lowering`` and the platform (``get_platform()``, ``platform.base``); never
+May import: ``ir``, ``lowering``, the platform (``get_platform()``, ``platform.base``) and the
+framework-neutral DTensor (``core.dtensor``, ``core.layout``); never
 the schedule classes, the features or the tools, and never torch or MindSpore directly.
 """
 
 from hyper_parallel.core.pipeline_parallel.runtime.executor import (
+    P2P_TYPES,
+    CustomFunction,
+    Key,
     PeerError,
     PipelineRuntime,
     StageError,
@@ -19,4 +23,4 @@ from hyper_parallel.core.pipeline_parallel.runtime.executor import (
 )
 from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 
-__all__ = ["PeerError", "PipelineRuntime", "PipelineStage", "StageError", "StepContext"]
+__all__ = ["P2P_TYPES", "CustomFunction", "Key", "PeerError", "PipelineRuntime", "PipelineStage", "StageError", "StepContext"]
