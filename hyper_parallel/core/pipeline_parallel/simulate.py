@@ -98,12 +98,13 @@ def simulate(
     dict (``{MetaStepType.FWD: 1.0, ...}``, every stage the same; ``comm_cost`` is then the
     time of every message). ``model``: ``"eager"`` (gloo, the plain transport) or
     ``"stream"`` (NCCL/HCCL, the batch transport) for lowered lists; ``wait_at_post``: the
-    communication steps wait for their receives (the runtime without ``overlap_p2p``).
+    communication steps wait for their receives. A `CostModel` with ``runtime`` costs (a
+    machine file, ``machine.py``) also charges the runtime's own work per lowered step.
     """
     table = _cost_model(costs, comm_cost, len(stage_to_rank))
     lowered = any(s is not None and s.meta_type.is_comm for steps in schedule.values() for s in steps)
     outcome = run_timed(schedule, stage_to_rank, table.step_time, table.message_time, lowered=lowered,
-                        model=model, wait_at_post=wait_at_post)
+                        model=model, wait_at_post=wait_at_post, runtime=table.runtime)
     if not outcome.finished:
         lines = []
         marks = []

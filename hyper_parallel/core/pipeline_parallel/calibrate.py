@@ -1,0 +1,193 @@
+"""From what `hyper-parallel calibrate` measured to a machine file (no framework, no tensor).
+
+The calibration job (``hyper_parallel/calibration.py``) runs, on ``n`` real processes, a
+ping-pong between neighbouring ranks and the library's own runtime on sleep-cost stages with
+step tracing on: a forward sleeps ``F`` and a backward ``B`` (``I = W = B / 2``), values and
+micro-batch count of its own. This module turns that into `runtime_costs.RuntimeCosts`:
+
+- every record's cost is counted from the end of the rank's previous record (so the
+  runtime's book-keeping between two steps belongs to the next step), as the timed model does;
+- ``send_ms``, ``recv_ms``, ``meta_ms`` (``SEND_META``), ``batch_ms``: medians of the costs of
+  those posts (``batch_ms`` from a run with ``p2p_transport="batch"``);
+- ``compute_ms[k]``: a compute step of kind k minus its sleep, when its input was local, or
+  received long before (then its nested wait is taken out and is a ``wait_ms`` sample);
+- the one-way latency of the link (``p2p.latency_ms``): the median time from the start of a send's
+  post to the end of the receiver's wait on it, over the waits that began before that post (the
+  runtime's own hand-over; the neighbours' ping-pong is kept in the ``machine`` notes);
+- ``received_ms[k]``: such a compute step after its wait returned, minus its sleep;
+- ``run_ms``: the median measured makespan of untraced runs of the first workload minus its
+  prediction with every other figure (never below 0).
+
+The medians make single slow steps of a busy machine count for little. Kinds the workload has
+no sample of take the figures of the kinds it has.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dataclasses import replace
+
+from .costs import CostModel, StageCost
+from .ir import MetaStep, MetaStepType
+from .machine import Machine
+from .runtime_costs import KINDS, RUNTIME_LOWERING, PerKind, RuntimeCosts
+
+_T = MetaStepType
+_KIND_OF = {_T.FWD: "F", _T.BWD: "B", _T.BWD_INPUT: "I", _T.BWD_WEIGHT: "W"}
+READY_MARGIN_MS = 0.5
+"""A wait counts as "data already there" when its message was posted this long before it began."""
+
+
+class Samples:
+    """Per-step cost samples (ms) gathered from traced runs."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = {}
+
+    def add(self, name: str, value: float) -> None:
+        self.values.setdefault(name, []).append(value)
+
+    def median(self, name: str) -> float | None:
+        found = self.values.get(name)
+        return float(statistics.median(found)) if found else None
+
+    def count(self, name: str) -> int:
+        return len(self.values.get(name, ()))
+
+
+def _counterpart_text(recv: MetaStep) -> str:
+    """The send step a receive step matches (SEND_F.s<s-1> for RECV_F.s<s>, SEND_B.s<s+1> for RECV_B.s<s>)."""
+    if recv.meta_type is _T.FWD_RECV:
+        return f"SEND_F.s{recv.stage_index - 1}.m{recv.micro_index}"
+    return f"SEND_B.s{recv.stage_index + 1}.m{recv.micro_index}"
+
+
+def collect(records: Sequence[dict[str, Any]], nominal_ms: Callable[[MetaStep], float], samples: Samples) -> None:
+    """Add the samples of one traced run (all ranks' records, seconds from one origin);
+    ``nominal_ms(step)``: the sleep of a compute step."""
+    sent: dict[str, float] = {}
+    for rec in records:
+        if rec["kind"] == "p2p-issue" and rec["step"].startswith(("SEND_F", "SEND_B")):
+            sent[rec["step"]] = rec["start"] * 1e3
+    for rank in sorted({r["rank"] for r in records}):
+        mine = sorted((r for r in records if r["rank"] == rank), key=lambda r: r["end"])
+        prev: float | None = None
+        waits: list[dict[str, Any]] = []
+        for rec in mine:
+            if rec["kind"] == "p2p-wait":
+                waits.append(rec)
+                continue
+            end = rec["end"] * 1e3
+            if prev is not None:
+                _sample(rec, end - prev, waits, sent, nominal_ms, samples)
+            prev, waits = end, []
+
+
+def _sample(rec: dict[str, Any], cost: float, waits: list[dict[str, Any]], sent: dict[str, float],
+            nominal_ms: Callable[[MetaStep], float], samples: Samples) -> None:
+    text = rec["step"]
+    if rec["kind"] == "p2p-issue":
+        if text.startswith("BATCH"):
+            samples.add("batch_ms", cost)
+        elif text.startswith("SEND_META"):
+            samples.add("meta_ms", cost)
+        elif text.startswith(("SEND_F", "SEND_B")):
+            samples.add("send_ms", cost)
+        elif text.startswith(("RECV_F", "RECV_B")):
+            samples.add("recv_ms", cost)
+        return  # RECV_META waits for its data inside: no sample
+    step = MetaStep.from_str(text)
+    kind = _KIND_OF.get(step.meta_type)
+    if kind is None or len(step.parts) != 1:
+        return
+    sleep = nominal_ms(step)
+    if not waits:
+        samples.add(f"compute_ms.{kind}", cost - sleep)
+        return
+    if len(waits) != 1:
+        return
+    wait = waits[0]
+    posted = sent.get(_counterpart_text(MetaStep.from_str(wait["step"])))
+    if posted is None:
+        return
+    begin, finish = wait["start"] * 1e3, wait["end"] * 1e3
+    if posted + READY_MARGIN_MS < begin:  # the data was there: a wait that returns at once
+        samples.add("wait_ms", finish - begin)
+        samples.add(f"compute_ms.{kind}", cost - sleep - (finish - begin))
+    elif posted > begin:  # the rank waited for this message: a hand-over
+        samples.add("latency_ms", finish - posted)
+        samples.add(f"received_ms.{kind}", rec["end"] * 1e3 - finish - sleep)
+
+
+def runtime_costs(samples: Samples, run_ms: float = 0.0) -> RuntimeCosts:
+    """The figures of the module docstring from the samples (negative medians become 0)."""
+    compute = {k: samples.median(f"compute_ms.{k}") for k in KINDS}
+    known = [v for v in compute.values() if v is not None]
+    fallback = statistics.median(known) if known else 0.0
+    compute = {k: (fallback if v is None else v) for k, v in compute.items()}
+    received = {k: samples.median(f"received_ms.{k}") for k in KINDS}
+    extra = [received[k] - compute[k] for k in KINDS if received[k] is not None]
+    more = statistics.median(extra) if extra else 0.0
+    received = {k: (compute[k] + more if v is None else v) for k, v in received.items()}
+
+    def scalar(name: str) -> float:
+        return max(0.0, samples.median(name) or 0.0)
+
+    return RuntimeCosts(
+        compute_ms=PerKind(**{k: max(0.0, v) for k, v in compute.items()}),
+        received_ms=PerKind(**{k: max(0.0, v) for k, v in received.items()}),
+        send_ms=scalar("send_ms"), recv_ms=scalar("recv_ms"), wait_ms=scalar("wait_ms"), meta_ms=scalar("meta_ms"),
+        batch_ms=scalar("batch_ms"), run_ms=max(0.0, run_ms),
+    )
+
+
+def link(pairs: Sequence[dict[str, float]]) -> tuple[float, float | None]:
+    """(one-way ms, bandwidth GB/s or None) from the neighbour ping-pongs: the median
+    small-message one-way time; the big message's extra bytes over its extra time."""
+    small = statistics.median(p["small_ms"] for p in pairs)
+    big = statistics.median(p["big_ms"] for p in pairs)
+    nbytes = pairs[0]["big_bytes"]
+    bandwidth = nbytes / ((big - small) * 1e6) if big > small else None
+    return float(small), bandwidth
+
+
+def sleep_costs(num_ranks: int, num_chunks: int, fwd_ms: float, bwd_ms: float,
+                machine: Machine | None = None) -> CostModel:
+    """The cost model of a sleep pipeline: a rank's share sleeps ``fwd_ms`` / ``bwd_ms``
+    (``I = W = bwd_ms / 2``), split over its chunks; with a machine's link and runtime costs.
+    The first stage's input needs no gradient, so its I computes nothing and its W runs its
+    whole backward (as the runtime does)."""
+    costs = CostModel.per_rank_share(num_ranks, num_chunks, F=fwd_ms, B=bwd_ms)
+    first = costs.stages[0]
+    stages = (StageCost(F=first.F, B=first.B, I=0.0, W=first.B), *costs.stages[1:])
+    costs = replace(costs, stages=stages)
+    return machine.apply(costs) if machine is not None else costs
+
+
+def sleep_of(fwd_ms: float, bwd_ms: float) -> Callable[[MetaStep], float]:
+    """``nominal_ms`` for `collect`: the sleep of a compute step of a one-chunk sleep pipeline
+    (F: ``fwd_ms``, B: ``bwd_ms``, I and W half of it; the first stage's I nothing, its W all)."""
+    def sleep(step: MetaStep) -> float:
+        kind = step.meta_type
+        if kind is _T.FWD:
+            return fwd_ms
+        if kind is _T.BWD:
+            return bwd_ms
+        if step.stage_index == 0:
+            return 0.0 if kind is _T.BWD_INPUT else bwd_ms
+        return bwd_ms / 2
+    return sleep
+
+
+def predict_ms(schedule_class: Any, num_ranks: int, num_chunks: int, micro_batches: int, costs: CostModel,
+               transport: str = "plain") -> float:
+    """The makespan ``schedule.run()`` should take: the lowered lists as the runtime lowers them
+    by default (prefetch on, metadata for the first micro-batch), in the transport's model."""
+    from .simulate import simulate_schedule
+
+    _, result = simulate_schedule(schedule_class, num_ranks, num_chunks, micro_batches, costs, lowered=True,
+                                  transport=transport, **RUNTIME_LOWERING)
+    return float(result.makespan)
