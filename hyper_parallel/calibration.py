@@ -9,7 +9,7 @@ CUDA, HCCL on Ascend) and in each runs `worker`:
 2. the library's runtime trains a pipeline of sleep-cost stages (``sleep_pipeline.py``) with
    step tracing on: 1F1B and ZB-H1 (one chunk per rank, dx/dW split) with the plain transport,
    1F1B with the batched one; and 1F1B again untraced, timed from the first rank's start to the
-   last rank's end.
+   last rank's end (the four in turns, so that a busy phase of the machine hits them alike).
 
 Its workload is its own (``CALIBRATION``: a forward of 4 ms, a backward of 6 ms, ``2 n + 1``
 micro-batches), never a case the simulator is judged on. The parent turns the records into a
@@ -94,16 +94,18 @@ def worker(settings: dict[str, Any]) -> dict[str, Any]:
     p.barrier()
     m = 2 * p.world_size + 1
     fwd, bwd = settings["fwd_ms"], settings["bwd_ms"]
-    traced = []
+    steps, afters = [], []
     for name, chunks, transport in settings["workloads"]:
         sched, step = sleep_pipeline.build(name, chunks, m, fwd, bwd, transport=transport, trace=True)
-        rounds = sleep_pipeline.timed_steps(step, settings["rounds"], settings["warmup"],
-                                            after=lambda sched=sched: sched.tracer.records())
-        traced.append({"schedule": name, "transport": transport, "runs": [r[2] for r in rounds]})
-    out["traced"] = traced
+        steps.append(step)
+        afters.append(lambda sched=sched: sched.tracer.records())
     name, chunks, transport = settings["workloads"][0]
-    _, step = sleep_pipeline.build(name, chunks, m, fwd, bwd, transport=transport)
-    out["untimed"] = [(a, b) for a, b, _ in sleep_pipeline.timed_steps(step, settings["rounds"], settings["warmup"])]
+    steps.append(sleep_pipeline.build(name, chunks, m, fwd, bwd, transport=transport)[1])  # untraced, timed
+    afters.append(None)
+    rounds = sleep_pipeline.alternating_steps(steps, settings["rounds"], settings["warmup"], afters)
+    out["traced"] = [{"schedule": w[0], "transport": w[2], "runs": [r[2] for r in rounds[k]]}
+                     for k, w in enumerate(settings["workloads"])]
+    out["untimed"] = [(a, b) for a, b, _ in rounds[-1]]
     out["threads"] = os.environ.get("OMP_NUM_THREADS")
     return out
 
@@ -126,7 +128,7 @@ def calibrate(nproc: int, backend: str = "gloo") -> dict[str, Any]:
         for run in range(len(results[0]["traced"][k]["runs"])):
             records = [rec for r in results for rec in r["traced"][k]["runs"][run]]
             collect(records, sleep_of(fwd, bwd), samples)
-    latency = samples.median("latency_ms")
+    latency = samples.mean("latency_ms")
     latency = ping_pong if latency is None else max(0.0, latency)
     machine = Machine(runtime_costs(samples), latency, bandwidth)
     name, chunks, transport = settings["workloads"][0]

@@ -64,6 +64,26 @@ def timed_steps(step: Callable[[], None], rounds: int, warmup: int = 1,
     return out
 
 
+def alternating_steps(steps: list[Callable[[], None]], rounds: int, warmup: int = 1,
+                      afters: list[Callable[[], Any] | None] | None = None) -> list[list[tuple[float, float, Any]]]:
+    """`timed_steps` for several pipelines in turns (the first of a round rotates), so that a slow
+    phase of a shared machine hits them alike: per pipeline, its ``(start, end, after())``."""
+    p = get_platform()
+    afters = afters or [None] * len(steps)
+    out: list[list[tuple[float, float, Any]]] = [[] for _ in steps]
+    for r in range(warmup + rounds):
+        for k in [(r + j) % len(steps) for j in range(len(steps))]:
+            p.barrier()
+            start = time.perf_counter()
+            steps[k]()
+            end = time.perf_counter()
+            extra = afters[k]() if afters[k] is not None else None
+            if r >= warmup:
+                out[k].append((start, end, extra))
+    p.barrier()
+    return out
+
+
 def makespans_ms(per_rank: list[list[tuple[float, float, Any]]]) -> list[float]:
     """Per timed step: the last rank's end minus the first rank's start, in ms."""
     rounds = min(len(r) for r in per_rank)

@@ -7,18 +7,19 @@ micro-batch count of its own. This module turns that into `runtime_costs.Runtime
 
 - every record's cost is counted from the end of the rank's previous record (so the
   runtime's book-keeping between two steps belongs to the next step), as the timed model does;
-- ``send_ms``, ``recv_ms``, ``meta_ms`` (``SEND_META``), ``batch_ms``: medians of the costs of
+- ``send_ms``, ``recv_ms``, ``meta_ms`` (``SEND_META``), ``batch_ms``: the costs of
   those posts (``batch_ms`` from a run with ``p2p_transport="batch"``);
 - ``compute_ms[k]``: a compute step of kind k minus its sleep, when its input was local, or
   received long before (then its nested wait is taken out and is a ``wait_ms`` sample);
-- the one-way latency of the link (``p2p.latency_ms``): the median time from the start of a send's
+- the one-way latency of the link (``p2p.latency_ms``): the time from the start of a send's
   post to the end of the receiver's wait on it, over the waits that began before that post (the
   runtime's own hand-over; the neighbours' ping-pong is kept in the ``machine`` notes);
 - ``received_ms[k]``: such a compute step after its wait returned, minus its sleep;
 - ``run_ms``: the median measured makespan of untraced runs of the first workload minus its
   prediction with every other figure (never below 0).
 
-The medians make single slow steps of a busy machine count for little. Kinds the workload has
+Each figure is a trimmed mean (``TRIM``): a makespan adds step costs up, so the mean is what
+counts, while the trim keeps single stalls of a busy machine out. Kinds the workload has
 no sample of take the figures of the kinds it has.
 """
 
@@ -37,6 +38,8 @@ from .runtime_costs import KINDS, RUNTIME_LOWERING, PerKind, RuntimeCosts
 
 _T = MetaStepType
 _KIND_OF = {_T.FWD: "F", _T.BWD: "B", _T.BWD_INPUT: "I", _T.BWD_WEIGHT: "W"}
+TRIM = 0.05
+"""Share of the samples left out at each end before averaging."""
 READY_MARGIN_MS = 0.5
 """A wait counts as "data already there" when its message was posted this long before it began."""
 
@@ -53,6 +56,16 @@ class Samples:
     def median(self, name: str) -> float | None:
         found = self.values.get(name)
         return float(statistics.median(found)) if found else None
+
+    def mean(self, name: str) -> float | None:
+        """The mean of the middle ``1 - 2 * TRIM`` of the samples: a makespan adds step costs up,
+        so their mean is what counts, without the rare stalls that a median of runs drops anyway."""
+        found = sorted(self.values.get(name, ()))
+        if not found:
+            return None
+        cut = int(len(found) * TRIM)
+        kept = found[cut:len(found) - cut] or found
+        return float(statistics.fmean(kept))
 
     def count(self, name: str) -> int:
         return len(self.values.get(name, ()))
@@ -124,17 +137,17 @@ def _sample(rec: dict[str, Any], cost: float, waits: list[dict[str, Any]], sent:
 
 def runtime_costs(samples: Samples, run_ms: float = 0.0) -> RuntimeCosts:
     """The figures of the module docstring from the samples (negative medians become 0)."""
-    compute = {k: samples.median(f"compute_ms.{k}") for k in KINDS}
+    compute = {k: samples.mean(f"compute_ms.{k}") for k in KINDS}
     known = [v for v in compute.values() if v is not None]
     fallback = statistics.median(known) if known else 0.0
     compute = {k: (fallback if v is None else v) for k, v in compute.items()}
-    received = {k: samples.median(f"received_ms.{k}") for k in KINDS}
+    received = {k: samples.mean(f"received_ms.{k}") for k in KINDS}
     extra = [received[k] - compute[k] for k in KINDS if received[k] is not None]
     more = statistics.median(extra) if extra else 0.0
     received = {k: (compute[k] + more if v is None else v) for k, v in received.items()}
 
     def scalar(name: str) -> float:
-        return max(0.0, samples.median(name) or 0.0)
+        return max(0.0, samples.mean(name) or 0.0)
 
     return RuntimeCosts(
         compute_ms=PerKind(**{k: max(0.0, v) for k, v in compute.items()}),
