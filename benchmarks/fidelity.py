@@ -8,7 +8,8 @@
    train sleep-cost stages (a rank's share sleeps F ms forward, B ms backward, I = W = B / 2, split
    over its chunks; ``hyper_parallel.sleep_pipeline``); the makespan of a step is the last rank's
    end minus the first rank's start after a barrier; the median of K steps after a warm-up step is
-   compared with the simulator's prediction from F, B and the machine file alone.
+   compared with the simulator's prediction from F, B and the machine file alone. The cases run
+   in turns (one step of each per round), so that a busy phase of the shared machine hits them alike.
 3. ``tune`` over every schedule, chunk count 1-4 and micro-batch count dividing M, on the same
    costs as a costs file would state them (global batch M, measured at micro-batch size 1, so a
    candidate with m micro-batches sleeps M / m times longer per micro-batch; 1 MiB of activations
@@ -41,11 +42,9 @@ def cases_job(cases: list[dict[str, Any]], rounds: int) -> list[list[list[float]
     """On every rank: each case's timed steps as ``[start, end]`` pairs (perf_counter seconds)."""
     from hyper_parallel import sleep_pipeline
 
-    out = []
-    for case in cases:
-        _, step = sleep_pipeline.build(case["schedule"], case["v"], case["m"], case["fwd_ms"], case["bwd_ms"])
-        out.append([[a, b] for a, b, _ in sleep_pipeline.timed_steps(step, rounds, warmup=1)])
-    return out
+    steps = [sleep_pipeline.build(c["schedule"], c["v"], c["m"], c["fwd_ms"], c["bwd_ms"])[1] for c in cases]
+    timed = sleep_pipeline.alternating_steps(steps, rounds, warmup=1)
+    return [[[a, b] for a, b, _ in case] for case in timed]
 
 
 def measure(cases: list[dict[str, Any]], p: int, rounds: int) -> list[float]:
