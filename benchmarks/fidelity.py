@@ -17,8 +17,14 @@
    1F1B holds at m = M), with the machine file; the pick and the five next-best fitting candidates
    are measured the same way.
 
+4. With ``--gpt``: the demo's GPT (``hyper_parallel.demo``, 8 layers, micro-batches of 2
+   sequences of 32 tokens) is profiled with ``hyper-parallel profile`` (this file's
+   ``build_stages`` is the profile script), trained with 1F1B on ``p`` processes and ``M``
+   micro-batches, and predicted from the profile's costs and the machine file.
+
 OUT: ``{"cases": [{schedule, v, m, predicted_ms, measured_ms, error}], "tune": {picked,
-picked_measured_ms, best_measured_ms, candidates}, "machine": ..., "settings": ..., "load": ...}``.
+picked_measured_ms, best_measured_ms, candidates}, "gpt": {...} (with --gpt), "machine": ...,
+"settings": ..., "load": ...}``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,80 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 MIB = 1 << 20
 LAYERS_PER_RANK = 4
+GPT_MICRO_BATCH = 2
+
+
+def _gpt_parts(num_stages: int, m: int) -> tuple[list[Any], Any, Any, Any]:
+    """The demo GPT's stage modules, a batch of ``m`` micro-batches, its targets and the loss."""
+    import numpy as np
+    import torch
+
+    from hyper_parallel.demo.gpt import GPTConfig, init_gpt_weights
+    from hyper_parallel.demo.gpt_torch import GPTStage, cross_entropy_loss
+
+    config = GPTConfig(vocab_size=64, max_seq_len=32, d_model=64, n_heads=4, n_layers=8)
+    weights = init_gpt_weights(config)
+    rng = np.random.default_rng(0)
+    shape = (m * GPT_MICRO_BATCH, config.max_seq_len)
+    tokens = torch.from_numpy(rng.integers(0, config.vocab_size, shape))
+    targets = torch.from_numpy(rng.integers(0, config.vocab_size, shape))
+    stages = [GPTStage(config, s, num_stages, weights) for s in range(num_stages)]
+    return stages, tokens, targets, cross_entropy_loss
+
+
+def build_stages(num_stages: int = 4) -> dict[str, Any]:
+    """The profile script convention (``hyper-parallel profile benchmarks/fidelity.py --stages P``)."""
+    stages, tokens, targets, loss = _gpt_parts(num_stages, 1)
+    return {"stages": stages, "inputs": tokens, "loss_fn": loss, "target": targets}
+
+
+def gpt_job(m: int, rounds: int) -> list[list[float]]:
+    """On every rank: the demo GPT trained with 1F1B, ``[start, end]`` of each timed step."""
+    import hyper_parallel as hp
+    from hyper_parallel import sleep_pipeline
+    from hyper_parallel.platform import get_platform
+
+    p = get_platform()
+    modules, tokens, targets, loss = _gpt_parts(p.world_size, m)
+    stage = hp.PipelineStage(modules[p.rank], p.rank, p.world_size)
+    schedule = hp.Schedule1F1B(stage, m, loss_fn=loss)
+    params = list(modules[p.rank].parameters())
+
+    def step() -> None:
+        for param in params:
+            param.grad = None
+        first, last = p.rank == 0, p.rank == p.world_size - 1
+        schedule.run(*((tokens,) if first else ()), target=targets if last else None)
+
+    return [[a, b] for a, b, _ in sleep_pipeline.timed_steps(step, rounds, warmup=2)]
+
+
+def gpt_case(p: int, m: int, rounds: int, machine: Any, folder: str) -> dict[str, Any]:
+    """Profile the GPT (a separate process, as a user would), measure it, predict it."""
+    import subprocess
+
+    from bench_common import run_job
+
+    from hyper_parallel import Schedule1F1B
+    from hyper_parallel.core.pipeline_parallel.calibrate import predict_ms
+    from hyper_parallel.core.pipeline_parallel.costs import load_costs
+    from hyper_parallel.sleep_pipeline import makespans_ms
+
+    costs_path = os.path.join(folder, "gpt_costs.json")
+    cli = [sys.executable, "-m", "hyper_parallel.cli", "profile", os.path.abspath(__file__), "--stages", str(p),
+           "--repeats", "9", "-o", costs_path, "--json"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=600, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"hyper-parallel profile failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    report = json.loads(done.stdout)
+    costs = machine.apply(load_costs(costs_path))
+    per_rank = run_job("fidelity", "gpt_job", p, {"m": m, "rounds": rounds}, timeout=3600.0)
+    measured = statistics.median(makespans_ms(per_rank))
+    predicted = predict_ms(Schedule1F1B, p, 1, m, costs)
+    return {"schedule": "1f1b", "v": 1, "m": m, "micro_batch_size": GPT_MICRO_BATCH, "predicted_ms": predicted,
+            "measured_ms": measured, "error": (predicted - measured) / measured,
+            "profile": {"warnings": report["warnings"], "threads": report["threads"], "costs": report["costs"]}}
 
 
 def cases_job(cases: list[dict[str, Any]], rounds: int) -> list[list[list[float]]]:
@@ -109,11 +189,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "measured_ms": value, "picked": cand is result.best})
     picked = next((c for c in candidates if c["picked"]), None)
     best = min((c["measured_ms"] for c in candidates), default=None)
+    gpt = None
+    if args.gpt:
+        gpt = gpt_case(args.p, args.m, args.rounds, machine, os.path.dirname(os.path.abspath(args.json)))
+        load.append(os.getloadavg()[0])
     return {
         "cases": rows,
         "tune": {"picked": picked, "picked_measured_ms": picked["measured_ms"] if picked else None,
                  "best_measured_ms": best, "memory_limit_bytes": limit, "global_batch": args.m,
                  "candidates": candidates},
+        **({"gpt": gpt} if gpt is not None else {}),
         "machine": machine_json,
         "settings": {"p": args.p, "m": args.m, "fwd_ms": args.fwd_ms, "bwd_ms": args.bwd_ms, "rounds": args.rounds},
         "load": {"loadavg_1min": load, "cpus": os.cpu_count()},
@@ -129,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--p", type=int, default=4, help="pipeline ranks (gloo processes)")
     parser.add_argument("--rounds", type=int, default=5, help="timed steps per case, after one warm-up step")
     parser.add_argument("--json", required=True, help="where the results go")
+    parser.add_argument("--gpt", action="store_true", help="also the demo GPT with 'hyper-parallel profile' costs")
     args = parser.parse_args(argv)
     if args.p < 2 or args.m < 1 or args.rounds < 1 or args.fwd_ms <= 0 or args.bwd_ms <= 0:
         parser.error("need --p >= 2, --m >= 1, --rounds >= 1 and positive --fwd-ms / --bwd-ms")
@@ -148,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     if t["picked_measured_ms"] is not None:
         print(f"pick measured {t['picked_measured_ms']:.1f} ms, best measured {t['best_measured_ms']:.1f} ms "
               f"({t['picked_measured_ms'] / t['best_measured_ms'] - 1:+.1%}); load {out['load']['loadavg_1min']}")
+    if "gpt" in out:
+        g = out["gpt"]
+        print(f"demo GPT 1f1b m={g['m']}: predicted {g['predicted_ms']:.1f} ms, measured {g['measured_ms']:.1f} ms "
+              f"({g['error']:+.1%})" + (f"; profile warnings: {len(g['profile']['warnings'])}"
+                                          if g["profile"]["warnings"] else ""))
     print(f"wrote {args.json}")
     return 0
 

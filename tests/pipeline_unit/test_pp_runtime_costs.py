@@ -186,9 +186,17 @@ def test_collect_reads_each_cost_from_the_previous_records_end():
     assert rt.received_ms.B == pytest.approx(0.5 + 0.7 - 0.475)  # compute + the others' extra when received
 
 
-def test_sleep_costs_put_the_first_stages_whole_backward_in_its_weight_step():
-    costs = sleep_costs(4, 2, 10.0, 20.0)
-    assert (costs.stages[0].I, costs.stages[0].W, costs.stages[0].B) == (0.0, 10.0, 10.0)
-    assert (costs.stages[1].I, costs.stages[1].W) == (5.0, 5.0)
+def test_with_runtime_costs_the_first_stages_whole_backward_is_its_weight_step():
+    """The runtime's first stage has no input gradient: its I computes nothing, its W everything."""
+    plain = sleep_costs(2, 1, 10.0, 20.0)
+    assert (plain.stages[0].I, plain.stages[0].W) == (10.0, 10.0)
+    steps = {0: [S("F.s0.m0"), S("SEND_F.s0.m0"), S("RECV_B.s0.m0"), S("I.s0.m0"), S("W.s0.m0")],
+             1: [S("RECV_F.s1.m0"), S("F.s1.m0"), S("I.s1.m0"), S("SEND_B.s1.m0"), S("W.s1.m0")]}
+    for runtime, first_w in ((None, (40.0, 50.0)), (RuntimeCosts(), (40.0, 50.0)),
+                             (RuntimeCosts(run_ms=1.0), (30.0, 50.0))):
+        costs = CostModel(stages=plain.stages, runtime=runtime)
+        result = simulate(steps, {0: 0, 1: 1}, costs)
+        spans = {str(step): (start, end) for start, end, step in result.timeline[0]}
+        assert spans["W.s0.m0"] == pytest.approx(first_w)
     sleep = sleep_of(4.0, 6.0)
     assert [sleep(S(t)) for t in ("F.s0.m0", "I.s0.m0", "W.s0.m0", "I.s1.m0", "B.s1.m0")] == [4.0, 0.0, 6.0, 3.0, 6.0]

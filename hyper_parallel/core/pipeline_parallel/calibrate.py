@@ -29,9 +29,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dataclasses import replace
-
-from .costs import CostModel, StageCost
+from .costs import CostModel
 from .ir import MetaStep, MetaStepType
 from .machine import Machine
 from .runtime_costs import KINDS, RUNTIME_LOWERING, PerKind, RuntimeCosts
@@ -170,13 +168,9 @@ def link(pairs: Sequence[dict[str, float]]) -> tuple[float, float | None]:
 def sleep_costs(num_ranks: int, num_chunks: int, fwd_ms: float, bwd_ms: float,
                 machine: Machine | None = None) -> CostModel:
     """The cost model of a sleep pipeline: a rank's share sleeps ``fwd_ms`` / ``bwd_ms``
-    (``I = W = bwd_ms / 2``), split over its chunks; with a machine's link and runtime costs.
-    The first stage's input needs no gradient, so its I computes nothing and its W runs its
-    whole backward (as the runtime does)."""
+    (``I = W = bwd_ms / 2``), split over its chunks; with a machine's link and runtime costs
+    (with them the simulator runs the first stage's whole backward in its W, as the runtime does)."""
     costs = CostModel.per_rank_share(num_ranks, num_chunks, F=fwd_ms, B=bwd_ms)
-    first = costs.stages[0]
-    stages = (StageCost(F=first.F, B=first.B, I=0.0, W=first.B), *costs.stages[1:])
-    costs = replace(costs, stages=stages)
     return machine.apply(costs) if machine is not None else costs
 
 

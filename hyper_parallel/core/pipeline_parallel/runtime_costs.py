@@ -27,8 +27,10 @@ runtime's own book-keeping between two steps is part of the next step's cost):
   a wait on data already there, the second the hand-over of data that just came;
 - a rank finishes ``run_ms`` after its last step.
 
-An overlapped pair (``OVERLAP_B_F``) costs the sum over its parts. Without a ``runtime`` object
-(or with every field 0) the timed model is exactly the one without runtime costs.
+An overlapped pair (``OVERLAP_B_F``) costs the sum over its parts. With runtime costs the
+simulator also runs the first stage's whole backward in its W step, as the runtime does (that
+stage has no input gradient, so its I computes nothing). Without a ``runtime`` object (or with
+every field 0) the simulation is exactly the one without runtime costs.
 """
 
 from __future__ import annotations
@@ -103,6 +105,11 @@ class RuntimeCosts:
         for name in PER_KIND:
             if not isinstance(getattr(self, name), PerKind):
                 raise TypeError(f"runtime.{name} must be a PerKind, got {getattr(self, name)!r}")
+
+    @property
+    def is_zero(self) -> bool:
+        """Every figure 0: the same as no runtime costs."""
+        return self == RuntimeCosts()
 
     def compute_cost(self, step: MetaStep, received: bool = False) -> float:
         """What a compute step costs beyond its compute (``received``: counted from the arrival
