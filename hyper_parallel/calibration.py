@@ -130,7 +130,7 @@ def calibrate(nproc: int, backend: str = "gloo") -> dict[str, Any]:
             collect(records, sleep_of(fwd, bwd), samples)
     latency = samples.mean("latency_ms")
     latency = ping_pong if latency is None else max(0.0, latency)
-    machine = Machine(runtime_costs(samples), latency, bandwidth)
+    machine = Machine(runtime_costs(samples, latency_ms=latency), latency, bandwidth)
     name, chunks, transport = settings["workloads"][0]
     m = 2 * nproc + 1
     spans = [(max(r["untimed"][k][1] for r in results) - min(r["untimed"][k][0] for r in results)) * 1e3

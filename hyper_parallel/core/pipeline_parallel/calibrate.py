@@ -9,6 +9,8 @@ micro-batch count of its own. This module turns that into `runtime_costs.Runtime
   runtime's book-keeping between two steps belongs to the next step), as the timed model does;
 - ``send_ms``, ``recv_ms``, ``meta_ms`` (``SEND_META``), ``batch_ms``: the costs of
   those posts (``batch_ms`` from a run with ``p2p_transport="batch"``);
+- ``meta_recv_ms``: from a ``RECV_META``'s start, or its message's post plus the latency when
+  later, to the end of the data receive posted behind it, minus ``recv_ms``;
 - ``compute_ms[k]``: a compute step of kind k minus its sleep, when its input was local, or
   received long before (then its nested wait is taken out and is a ``wait_ms`` sample);
 - the one-way latency of the link (``p2p.latency_ms``): the time from the start of a send's
@@ -47,6 +49,8 @@ class Samples:
 
     def __init__(self) -> None:
         self.values: dict[str, list[float]] = {}
+        self.meta_receives: list[tuple[float, float, float]] = []
+        """(RECV_META start, its SEND_META's post start, end of the data receive behind it), ms."""
 
     def add(self, name: str, value: float) -> None:
         self.values.setdefault(name, []).append(value)
@@ -81,18 +85,26 @@ def collect(records: Sequence[dict[str, Any]], nominal_ms: Callable[[MetaStep], 
     ``nominal_ms(step)``: the sleep of a compute step."""
     sent: dict[str, float] = {}
     for rec in records:
-        if rec["kind"] == "p2p-issue" and rec["step"].startswith(("SEND_F", "SEND_B")):
+        if rec["kind"] == "p2p-issue" and rec["step"].startswith(("SEND_F", "SEND_B", "SEND_META")):
             sent[rec["step"]] = rec["start"] * 1e3
     for rank in sorted({r["rank"] for r in records}):
         mine = sorted((r for r in records if r["rank"] == rank), key=lambda r: r["end"])
         prev: float | None = None
+        meta_from: tuple[float, float] | None = None  # a RECV_META's start, its message's post
         waits: list[dict[str, Any]] = []
         for rec in mine:
             if rec["kind"] == "p2p-wait":
                 waits.append(rec)
                 continue
             end = rec["end"] * 1e3
-            if prev is not None:
+            if rec["step"].startswith("RECV_META") and prev is not None:
+                meta = MetaStep.from_str(rec["step"])
+                posted = sent.get(f"SEND_META.s{meta.stage_index - 1}.m{meta.micro_index}")
+                meta_from = (prev, posted) if posted is not None else None
+            elif meta_from is not None and rec["step"].startswith(("RECV_F", "RECV_B")):
+                samples.meta_receives.append((*meta_from, end))  # to the end of the data receive behind it
+                meta_from = None
+            elif prev is not None:
                 _sample(rec, end - prev, waits, sent, nominal_ms, samples)
             prev, waits = end, []
 
@@ -133,8 +145,8 @@ def _sample(rec: dict[str, Any], cost: float, waits: list[dict[str, Any]], sent:
         samples.add(f"received_ms.{kind}", rec["end"] * 1e3 - finish - sleep)
 
 
-def runtime_costs(samples: Samples, run_ms: float = 0.0) -> RuntimeCosts:
-    """The figures of the module docstring from the samples (negative medians become 0)."""
+def runtime_costs(samples: Samples, run_ms: float = 0.0, latency_ms: float = 0.0) -> RuntimeCosts:
+    """The figures of the module docstring from the samples (negative ones become 0)."""
     compute = {k: samples.mean(f"compute_ms.{k}") for k in KINDS}
     known = [v for v in compute.values() if v is not None]
     fallback = statistics.median(known) if known else 0.0
@@ -152,7 +164,16 @@ def runtime_costs(samples: Samples, run_ms: float = 0.0) -> RuntimeCosts:
         received_ms=PerKind(**{k: max(0.0, v) for k, v in received.items()}),
         send_ms=scalar("send_ms"), recv_ms=scalar("recv_ms"), wait_ms=scalar("wait_ms"), meta_ms=scalar("meta_ms"),
         batch_ms=scalar("batch_ms"), run_ms=max(0.0, run_ms),
+        meta_recv_ms=_meta_recv(samples, latency_ms, scalar("recv_ms")),
     )
+
+
+def _meta_recv(samples: Samples, latency_ms: float, recv_ms: float) -> float:
+    """``meta_recv_ms``: from the later of a RECV_META's start and its message's arrival to the end
+    of the data receive behind it, less that receive's ``recv_ms``."""
+    for start, posted, end in samples.meta_receives:
+        samples.add("meta_recv_ms", end - max(start, posted + latency_ms) - recv_ms)
+    return max(0.0, samples.mean("meta_recv_ms") or 0.0)
 
 
 def link(pairs: Sequence[dict[str, float]]) -> tuple[float, float | None]:

@@ -10,7 +10,9 @@ a simulation with a machine file predicts what ``schedule.run()`` takes. Times i
       "received_ms": {"F": 0.6, "B": 0.7, "I": 0.6, "W": 0.2},   # beyond its compute, counted from
                                                                   # the arrival of a just-received input
       "send_ms": 0.06, "recv_ms": 0.05, "wait_ms": 0.05,          # post a send / a receive; wait on arrived data
-      "meta_ms": 0.1, "batch_ms": 0.12,                           # a metadata step; one batched group
+      "meta_ms": 0.3, "meta_recv_ms": 2.0, "batch_ms": 0.12,      # post a metadata send; a metadata
+                                                                  # receive once its message arrived;
+                                                                  # post one batched group
       "run_ms": 1.0                                               # once per run (set-up, last sends)
     }
 
@@ -18,8 +20,10 @@ How a rank's clock advances (every cost counted from the end of the previous ste
 runtime's own book-keeping between two steps is part of the next step's cost):
 
 - a data send or receive step (``SEND_F``/``SEND_B``/``RECV_F``/``RECV_B``) takes ``send_ms``
-  / ``recv_ms``; a ``BATCH`` group ``batch_ms``; ``SEND_META``/``RECV_META`` ``meta_ms`` (a
-  metadata receive then waits for its data); a message leaves when its post begins;
+  / ``recv_ms``; a ``BATCH`` group ``batch_ms``; ``SEND_META`` ``meta_ms``; a ``RECV_META``
+  waits for its message and then takes ``meta_recv_ms`` (with what the first data receive
+  behind it costs beyond ``recv_ms``: its buffers are made from the shapes that just came);
+  a message leaves when its post begins;
 - a compute step of kind k whose inputs are all local ends at ``clock + compute + compute_ms[k]``;
   with ``n`` received inputs it ends at
   ``max(clock + n * wait_ms + compute + compute_ms[k], arrival + compute + received_ms[k])``,
@@ -44,7 +48,7 @@ from .ir import MetaStep, MetaStepType
 _T = MetaStepType
 KINDS = ("F", "B", "I", "W")
 _KIND_OF = {_T.FWD: "F", _T.BWD: "B", _T.BWD_INPUT: "I", _T.BWD_WEIGHT: "W"}
-SCALARS = ("send_ms", "recv_ms", "wait_ms", "meta_ms", "batch_ms", "run_ms")
+SCALARS = ("send_ms", "recv_ms", "wait_ms", "meta_ms", "meta_recv_ms", "batch_ms", "run_ms")
 PER_KIND = ("compute_ms", "received_ms")
 
 
@@ -96,6 +100,7 @@ class RuntimeCosts:
     recv_ms: float = 0.0
     wait_ms: float = 0.0
     meta_ms: float = 0.0
+    meta_recv_ms: float = 0.0
     batch_ms: float = 0.0
     run_ms: float = 0.0
 
@@ -127,7 +132,7 @@ class RuntimeCosts:
         if kind is _T.BATCH_SEND_RECV:
             return self.batch_ms
         if kind.is_meta:
-            return self.meta_ms
+            return self.meta_ms if kind.is_send else 0.0  # a metadata receive: meta_recv_ms once arrived
         return self.send_ms if kind.is_send else self.recv_ms
 
     def to_json(self) -> dict[str, Any]:

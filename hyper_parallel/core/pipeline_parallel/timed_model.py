@@ -26,7 +26,7 @@ With ``runtime`` costs (``runtime_costs.py``, measured by ``hyper-parallel calib
 runtime's own work is charged too: posting a communication step takes the rank's time (its
 messages leave when the post begins), a compute step costs its ``compute_ms`` beyond its compute,
 a wait on received data that is already there ``wait_ms``, a hand-over of data that just arrived
-``received_ms`` from its arrival, and every rank ends ``run_ms`` later. Without them (or all 0)
+``received_ms`` from its arrival, a metadata receive ``meta_recv_ms`` once its message arrived, and every rank ends ``run_ms`` later. Without them (or all 0)
 the times are exactly those above.
 
 Links are independent (no contention between messages). Because every time is a maximum of
@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .ir import DataKey, MetaStep, Schedule, consumer_stage, consumes, message_key, produces
+from .ir import DataKey, MetaStep, MetaStepType, Schedule, consumer_stage, consumes, message_key, produces
 from .job_model import MODELS, producer_text
 from .runtime_costs import RuntimeCosts
 
@@ -227,6 +227,8 @@ class TimedJobModel:
             if ready > self.clock[rank]:
                 self.records.append(_record(rank, step, "p2p-wait", self.clock[rank], ready))
                 self.clock[rank] = ready
+        if self.runtime is not None and step.meta_type is MetaStepType.META_RECV:
+            self.clock[rank] += self.runtime.meta_recv_ms  # after its message arrived
         del self.issued_at[rank]
         self.cursor[rank] += 1
         return True
