@@ -200,3 +200,49 @@ def test_with_runtime_costs_the_first_stages_whole_backward_is_its_weight_step()
         assert spans["W.s0.m0"] == pytest.approx(first_w)
     sleep = sleep_of(4.0, 6.0)
     assert [sleep(S(t)) for t in ("F.s0.m0", "I.s0.m0", "W.s0.m0", "I.s1.m0", "B.s1.m0")] == [4.0, 0.0, 6.0, 3.0, 6.0]
+
+
+def test_a_metadata_receive_costs_meta_recv_ms_once_its_message_arrived():
+    """rank 0: F ends 1 + 0.3; SEND_META posts 1.3-1.8 (its message leaves at 1.3); SEND_F posts at 1.8.
+    rank 1: RECV_META waits for 1.3 + 0.2, then 2 more: 3.5; RECV_F posts until 3.6; its data came
+    at 2.0, so F.s1 ends 3.6 + 1 + 0.3."""
+    steps = {0: [S("F.s0.m0"), S("SEND_META.s0.m0"), S("SEND_F.s0.m0")],
+             1: [S("RECV_META.s1.m0"), S("RECV_F.s1.m0"), S("F.s1.m0")]}
+    rt = RuntimeCosts(compute_ms=PerKind(F=0.3), received_ms=PerKind(F=0.4), recv_ms=0.1, meta_ms=0.5,
+                      meta_recv_ms=2.0)
+    costs = CostModel(stages=(StageCost(F=1.0), StageCost(F=1.0)), p2p_latency_ms=0.2, runtime=rt)
+    from hyper_parallel.core.pipeline_parallel.timed_model import run_timed
+
+    outcome = run_timed(steps, {0: 0, 1: 1}, costs.step_time, costs.message_time, runtime=rt)
+    assert outcome.compute[1][0][1] == pytest.approx(4.9)
+    issue = {(r["rank"], r["step"]): (r["start"], r["end"]) for r in outcome.records if r["kind"] == "p2p-issue"}
+    assert issue[(0, "SEND_META.s0.m0")] == pytest.approx((1.3, 1.8))
+    assert issue[(1, "RECV_F.s1.m0")] == pytest.approx((3.5, 3.6))
+
+
+def test_collect_measures_a_metadata_receive_to_the_end_of_the_data_receive_behind_it():
+    records = [
+        _rec(0, "F.s0.m0", "compute", 0.0, 4.5),
+        _rec(0, "SEND_META.s0.m0", "p2p-issue", 4.5, 5.0),
+        _rec(1, "RECV_F.s1.m9", "p2p-issue", 0.0, 0.1),
+        _rec(1, "RECV_META.s1.m0", "p2p-issue", 0.1, 6.0),   # its message was posted at 4.5
+        _rec(1, "RECV_F.s1.m0", "p2p-issue", 6.0, 7.5),      # the data receive behind it ends at 7.5
+    ]
+    samples = Samples()
+    collect(records, sleep_of(4.0, 6.0), samples)
+    assert samples.meta_receives == [pytest.approx((0.1, 4.5, 7.5))]
+    assert samples.values["meta_ms"] == pytest.approx([0.5])
+    rt = runtime_costs(samples, latency_ms=0.5)
+    assert rt.meta_recv_ms == pytest.approx(7.5 - (4.5 + 0.5) - rt.recv_ms)
+
+
+def test_a_metadata_receive_that_is_a_ranks_first_step_counts_from_its_own_start():
+    records = [
+        _rec(0, "SEND_META.s0.m0", "p2p-issue", 4.5, 5.0),
+        _rec(1, "RECV_META.s1.m0", "p2p-issue", 0.2, 6.0),
+        _rec(1, "RECV_F.s1.m0", "p2p-issue", 6.0, 7.5),
+    ]
+    samples = Samples()
+    collect(records, sleep_of(4.0, 6.0), samples)
+    assert samples.meta_receives == [pytest.approx((0.2, 4.5, 7.5))]
+    assert "recv_ms" not in samples.values  # the data receive behind it is the metadata receive's

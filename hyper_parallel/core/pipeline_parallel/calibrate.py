@@ -97,10 +97,11 @@ def collect(records: Sequence[dict[str, Any]], nominal_ms: Callable[[MetaStep], 
                 waits.append(rec)
                 continue
             end = rec["end"] * 1e3
-            if rec["step"].startswith("RECV_META") and prev is not None:
+            if rec["step"].startswith("RECV_META"):  # often a rank's first step: from its own start then
                 meta = MetaStep.from_str(rec["step"])
                 posted = sent.get(f"SEND_META.s{meta.stage_index - 1}.m{meta.micro_index}")
-                meta_from = (prev, posted) if posted is not None else None
+                begin = prev if prev is not None else rec["start"] * 1e3
+                meta_from = (begin, posted) if posted is not None else None
             elif meta_from is not None and rec["step"].startswith(("RECV_F", "RECV_B")):
                 samples.meta_receives.append((*meta_from, end))  # to the end of the data receive behind it
                 meta_from = None
