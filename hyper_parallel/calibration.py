@@ -18,9 +18,11 @@ machine file (``core/pipeline_parallel/calibrate.py``).
 
 from __future__ import annotations
 
+import os
 import platform as host
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 BACKENDS = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
@@ -75,8 +77,6 @@ def _ping_pong(p: Any, size: int, trips: int, paired: bool) -> float:
 
 def worker(settings: dict[str, Any]) -> dict[str, Any]:
     """One rank of the calibration job (see the module docstring); JSON-able results."""
-    import os
-
     from hyper_parallel import sleep_pipeline
     from hyper_parallel.platform import get_platform, set_platform
     from hyper_parallel.platform.torch.platform import TorchPlatform
@@ -146,7 +146,5 @@ def calibrate(nproc: int, backend: str = "gloo") -> dict[str, Any]:
         "samples": {name: samples.count(name) for name in sorted(samples.values)},
         "ping_pong_one_way_ms": ping_pong, "untraced_makespan_ms": statistics.median(spans), "predicted_without_run_ms": predicted,
     }
-    from dataclasses import replace
-
     machine = Machine(replace(machine.runtime, run_ms=max(0.0, run_ms)), latency, bandwidth, info)
     return machine.to_json()
