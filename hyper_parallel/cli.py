@@ -1,5 +1,5 @@
 """The ``hyper-parallel`` command: ``demo`` (the main job), ``chart`` (see a schedule) and the
-schedule tools of ``cli_tools.py`` (simulate, visualize, profile, tune, partition, dryrun)."""
+schedule tools of ``cli_tools.py`` (simulate, visualize, profile, tune, partition, dryrun, calibrate)."""
 
 from __future__ import annotations
 

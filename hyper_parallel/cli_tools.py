@@ -1,5 +1,6 @@
 """The schedule tools of the ``hyper-parallel`` command: simulate, visualize, profile, tune,
-partition, dryrun. None of them needs a framework except ``profile`` and ``dryrun``."""
+partition, dryrun, calibrate. None of them needs a framework except ``profile``, ``dryrun`` and
+``calibrate``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from hyper_parallel.cli_paths import output_path, picture_path
 
-TOOLS = ("simulate", "visualize", "profile", "tune", "partition", "dryrun")
+TOOLS = ("simulate", "visualize", "profile", "tune", "partition", "dryrun", "calibrate")
 
 
 def _int_at_least(low: int) -> Any:
@@ -98,6 +99,17 @@ def _load_costs(parser: argparse.ArgumentParser, path: str | None) -> Any:
         parser.error(f"argument --costs: {exc}")
 
 
+def _load_machine(parser: argparse.ArgumentParser, path: str | None) -> Any:
+    from hyper_parallel.core.pipeline_parallel.simulation.machine import load_machine
+
+    if path is None:
+        return None
+    try:
+        return load_machine(path)
+    except ValueError as exc:
+        parser.error(f"argument --machine: {exc}")
+
+
 # ---------------------------------------------------------------------- simulate
 
 
@@ -117,6 +129,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not low <= chunks <= high:
         parser.error(f"argument -v/--chunks: {name} runs {low}..{high} chunks per rank, got {chunks}")
     costs = _load_costs(parser, args.costs)
+    machine = _load_machine(parser, args.machine)
     stages = len(cls.stage_placement(args.ranks, chunks))
     if costs is None:
         costs = CostModel.per_rank_share(args.ranks, stages // args.ranks, activation_bytes=1.0)
@@ -131,9 +144,16 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except ValueError as exc:
             parser.error(f"argument --costs: {args.costs}: {exc}")
         where = f"costs from {args.costs}"
+    like_runtime: dict[str, Any] = {}
+    if machine is not None:
+        from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RUNTIME_LOWERING
+
+        costs = machine.apply(costs)
+        like_runtime = RUNTIME_LOWERING if not args.compute_only else {}
+        where += f", machine {args.machine}"
     try:
         plan, result = simulate_schedule(cls, args.ranks, chunks, args.micro_batches, costs,
-                                         lowered=not args.compute_only, transport=args.transport)
+                                         lowered=not args.compute_only, transport=args.transport, **like_runtime)
     except (ValueError, ScheduleError) as exc:
         print(f"hyper-parallel simulate: {exc}", file=sys.stderr)
         return 1
@@ -149,6 +169,8 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
               f"{plan.name}: p={args.ranks}, v={plan.num_chunks}, m={args.micro_batches}")
     summary = {"schedule": name, "class": plan.name, "ranks": args.ranks, "chunks": plan.num_chunks,
                "micro_batches": args.micro_batches, "costs": args.costs, **result.summary()}
+    if machine is not None:
+        summary["machine"] = args.machine
     if measured is not None:
         from hyper_parallel.core.pipeline_parallel.tools.trace import compare
 
@@ -346,6 +368,9 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from hyper_parallel.core.pipeline_parallel.tools.tune import format_table, tune
 
     costs = _load_costs(parser, args.costs)
+    machine = _load_machine(parser, args.machine)
+    if machine is not None:
+        costs = machine.apply(costs)
     schedules = available_schedules()
     if args.schedules:
         try:
@@ -360,7 +385,7 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         micro = args.micro_batches
     result = tune(costs, args.memory_limit, args.global_batch, args.ranks, schedules=schedules,
                   chunk_options=args.chunks, micro_batches=micro, state_factor=args.state_factor,
-                  lowered=args.lowered, transport=args.transport, search=args.search)
+                  lowered=args.lowered or machine is not None, transport=args.transport, search=args.search)
     if args.save_order:
         if result.best is None or result.best.order is None:
             print("hyper-parallel tune: --save-order: the choice is a library schedule, not a searched order "
@@ -480,6 +505,39 @@ def _dryrun(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0 if check.get("status") in ("ok", "no pipeline schedule ran") else 1
 
 
+# ---------------------------------------------------------------------- calibrate
+
+
+def _calibrate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from hyper_parallel.core.pipeline_parallel.tools.calibration_job import calibrate, check_backend
+
+    try:
+        check_backend(args.backend)
+    except ValueError as exc:
+        parser.error(f"argument --backend: {exc}")
+    data = calibrate(args.nproc, args.backend)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    if args.json:
+        _print_json(data)
+        return 0
+    rt, link, info = data["runtime"], data["p2p"], data["machine"]
+    bandwidth = link["bandwidth_gb_per_s"]
+    print(f"calibrated {args.nproc} {args.backend} processes of {info['host']} (workload: "
+          f"{', '.join(info['workload']['schedules'])}; m = {info['workload']['micro_batches']}, "
+          f"F = {info['workload']['fwd_ms']:g} ms, B = {info['workload']['bwd_ms']:g} ms)")
+    print(f"link: one-way {link['latency_ms']:.3f} ms in the runtime (ping-pong {info['ping_pong_one_way_ms']:.3f} ms), "
+          + (f"{bandwidth:.3g} GB/s" if bandwidth else "bandwidth not measurable"))
+    print("per compute step beyond its compute (ms):   " + "  ".join(
+        f"{k} {rt['compute_ms'][k]:.3f} / {rt['received_ms'][k]:.3f}" for k in ("F", "B", "I", "W"))
+        + "   (input local / just received)")
+    print("posting: send {send_ms:.3f}, receive {recv_ms:.3f}, metadata {meta_ms:.3f}, batched group {batch_ms:.3f}; "
+          "wait on arrived data {wait_ms:.3f}; per run {run_ms:.3f} ms".format(**rt))
+    print(f"wrote {args.out}")
+    return 0
+
+
 # ---------------------------------------------------------------------- parser
 
 
@@ -511,6 +569,9 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
                    help="write a PNG or SVG timeline here (needs matplotlib)")
     p.add_argument("--measured", default=None,
                    help="a measured trace to compare with and draw beside the plan")
+    p.add_argument("--machine", default=None,
+                   help="machine file of 'hyper-parallel calibrate': its link and the runtime's own cost per step "
+                        "replace the costs file's link, and the lists are lowered as schedule.run() lowers them")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the chart")
     p.set_defaults(handler=_simulate, sub_parser=p)
 
@@ -567,6 +628,8 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
                    help="bytes of weights, gradients and optimizer state per parameter byte")
     p.add_argument("--lowered", action="store_true", help="simulate lowered lists (slower)")
     p.add_argument("--transport", choices=TRANSPORTS, default="plain", help="P2P transport (with --lowered)")
+    p.add_argument("--machine", default=None,
+                   help="machine file of 'hyper-parallel calibrate' (implies --lowered; see simulate --machine)")
     p.add_argument("--search", action="store_true",
                    help="also build custom step orders within the memory limit (search-* candidates)")
     p.add_argument("--save-order", type=output_path, default=None, help="write the chosen searched order here as a schedule CSV")
@@ -597,3 +660,16 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--trace", type=output_path, default=None, help="write a Chrome trace here")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(handler=_dryrun, sub_parser=p, script_args=[])
+
+    p = sub.add_parser("calibrate", formatter_class=formatter,
+                       help="measure this machine's link and the runtime's own cost per step -> machine.json",
+                       description="Start NPROC processes of this machine and measure, with the library's own "
+                                   "runtime on sleep-cost stages of its own, the one-way latency and bandwidth "
+                                   "between neighbours and what the runtime costs per lowered step; write them "
+                                   "as a machine file for 'simulate --machine' and 'tune --machine'.")
+    p.add_argument("--nproc", type=_int_at_least(2), default=2, help="processes (pipeline ranks) to measure with")
+    p.add_argument("--backend", choices=("gloo", "nccl", "hccl"), default="gloo",
+                   help="communication backend (gloo: CPU processes; nccl: CUDA; hccl: Ascend)")
+    p.add_argument("--out", type=output_path, default="machine.json", help="machine file to write")
+    p.add_argument("--json", action="store_true", help="print the machine file as JSON")
+    p.set_defaults(handler=_calibrate, sub_parser=p)

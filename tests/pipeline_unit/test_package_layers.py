@@ -295,7 +295,13 @@ def test_an_old_path_import_leaves_the_module_its_own_spec():
     module = importlib.import_module(f"{PP}.simulate")
     assert module.__spec__.name == f"{PP}.simulation.simulate"
     assert module.__spec__.origin and module.__spec__.origin.endswith("simulation/simulate.py")
-    assert importlib.reload(module) is module and module.__name__ == f"{PP}.simulation.simulate"
+    # reload in a fresh interpreter (here it would give this process's tests new class objects)
+    code = (f"import importlib\nm = importlib.import_module('{PP}.simulate')\n"
+            "r = importlib.reload(m)\nprint(r is m, m.__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", f"{PP}.simulation.simulate"]
 
 
 def test_old_lowering_and_runtime_names_still_import():

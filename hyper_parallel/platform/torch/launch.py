@@ -38,3 +38,10 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> list[Any]:
     )
     results = elastic_launch(config, fn)(*args)
     return [results[r] for r in range(nproc)]
+
+
+def cuda_device_count() -> int:
+    """How many CUDA devices torch sees on this machine (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

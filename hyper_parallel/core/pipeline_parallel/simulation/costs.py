@@ -29,6 +29,10 @@ stage (its gradient coming back has the same size); ``param_bytes`` the stage's 
 ``overhead_ms`` the part of every step time that does not grow with the micro-batch size.
 
 A message takes ``latency_ms + bytes / bandwidth``; without a bandwidth only the latency.
+
+An optional ``"runtime"`` object holds the runtime's own cost per lowered step on a machine
+(``runtime_costs.py``; `hyper-parallel calibrate` measures it); without it the runtime costs
+nothing, as before.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RuntimeCosts
 
 FORMAT = "hyper-parallel-costs/1"
 OVERLAP_RULES = ("sum", "max")
@@ -154,6 +159,7 @@ class CostModel:
     overlap: str = "sum"
     micro_batch_size: int | None = None
     layers: tuple[StageCost, ...] = field(default=())
+    runtime: RuntimeCosts | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -293,6 +299,8 @@ class CostModel:
         }
         if self.layers:
             data["layers"] = [s.to_json() for s in self.layers]
+        if self.runtime is not None:
+            data["runtime"] = self.runtime.to_json()
         return data
 
     @classmethod
@@ -301,7 +309,8 @@ class CostModel:
             raise ValueError(f"a costs file holds a JSON object, got {type(data).__name__}")
         if data.get("format", FORMAT) != FORMAT:
             raise ValueError(f"unknown costs format {data.get('format')!r}; expected {FORMAT!r}")
-        unknown = sorted(set(data) - {"format", "micro_batch_size", "overlap", "p2p", "stages", "layers", "comment"})
+        unknown = sorted(set(data) - {"format", "micro_batch_size", "overlap", "p2p", "stages", "layers", "comment",
+                                  "runtime"})
         if unknown:
             raise ValueError(f"unknown field(s) in the costs file: {', '.join(unknown)}")
         p2p = data.get("p2p") or {}
@@ -322,8 +331,9 @@ class CostModel:
             raise ValueError("the costs file needs a non-empty 'stages' (or 'layers') list")
         if not stages:
             stages = [combine(layers)]
+        runtime = RuntimeCosts.from_json(data["runtime"]) if data.get("runtime") is not None else None
         return cls(
-            stages=tuple(stages), layers=tuple(layers), overlap=data.get("overlap", "sum"),
+            stages=tuple(stages), layers=tuple(layers), overlap=data.get("overlap", "sum"), runtime=runtime,
             micro_batch_size=data.get("micro_batch_size"),
             p2p_latency_ms=p2p.get("latency_ms", 0.0), p2p_bandwidth_gb_per_s=p2p.get("bandwidth_gb_per_s"),
         )

@@ -98,12 +98,17 @@ def simulate(
     dict (``{MetaStepType.FWD: 1.0, ...}``, every stage the same; ``comm_cost`` is then the
     time of every message). ``model``: ``"eager"`` (gloo, the plain transport) or
     ``"stream"`` (NCCL/HCCL, the batch transport) for lowered lists; ``wait_at_post``: the
-    communication steps wait for their receives (the runtime without ``overlap_p2p``).
+    communication steps wait for their receives. A `CostModel` with ``runtime`` costs (a
+    machine file, ``machine.py``) also charges the runtime's own work per lowered step, and puts
+    the first stage's I time into its W (that stage has no input gradient to compute); runtime
+    costs that are all 0 are no runtime costs.
     """
     table = _cost_model(costs, comm_cost, len(stage_to_rank))
     lowered = any(s is not None and s.meta_type.is_comm for steps in schedule.values() for s in steps)
-    outcome = run_timed(schedule, stage_to_rank, table.step_time, table.message_time, lowered=lowered,
-                        model=model, wait_at_post=wait_at_post)
+    runtime = table.runtime if table.runtime is not None and not table.runtime.is_zero else None
+    step_time = table.step_time if runtime is None else _as_the_runtime_runs(table)
+    outcome = run_timed(schedule, stage_to_rank, step_time, table.message_time, lowered=lowered,
+                        model=model, wait_at_post=wait_at_post, runtime=runtime)
     if not outcome.finished:
         lines = []
         marks = []
@@ -116,6 +121,17 @@ def simulate(
         raise ScheduleError(f"simulation cannot finish: ranks {stuck} wait forever\n" + "\n".join(lines),
                             schedule, marks)
     return _summarize(schedule, outcome.compute, outcome.finish, outcome.records, table)
+
+
+def _as_the_runtime_runs(table: CostModel) -> Any:
+    """Step times as the runtime spends them: the first stage's input needs no gradient, so its
+    input backward (I) has nothing to compute and its weight backward (W) runs its whole backward."""
+    def step_time(step: MetaStep) -> float:
+        if step.stage_index == 0 and step.meta_type in (_T.BWD_INPUT, _T.BWD_WEIGHT):
+            first = table.stage(0)
+            return 0.0 if step.meta_type is _T.BWD_INPUT else first.I + first.W
+        return table.step_time(step)
+    return step_time
 
 
 def _position_of(steps: list[MetaStep | None], index: int) -> int:

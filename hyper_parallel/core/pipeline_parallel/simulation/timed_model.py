@@ -22,6 +22,13 @@ its docstring first); this module adds a clock per rank and a duration per step:
   ``message_time`` after it was made;
 - a rank finishes when its list is done and everything it issued has completed.
 
+With ``runtime`` costs (``runtime_costs.py``, measured by ``hyper-parallel calibrate``) the
+runtime's own work is charged too: posting a communication step takes the rank's time (its
+messages leave when the post begins), a compute step costs its ``compute_ms`` beyond its compute,
+a wait on received data that is already there ``wait_ms``, a hand-over of data that just arrived
+``received_ms`` from its arrival, a metadata receive ``meta_recv_ms`` once its message arrived, and every rank ends ``run_ms`` later. Without them (or all 0)
+the times are exactly those above.
+
 Links are independent (no contention between messages). Because every time is a maximum of
 earlier times plus durations, the result does not depend on the order in which ranks are
 advanced. A rank that can never go on is reported in ``stuck``, as in the job model.
@@ -32,8 +39,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, Schedule, consumer_stage, consumes, message_key, produces
+from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule, consumer_stage, consumes, message_key, produces
 from hyper_parallel.core.pipeline_parallel.lowering.job_model import MODELS, producer_text
+from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RuntimeCosts
 
 Record = dict
 """One trace record: ``{"rank", "step", "kind", "start", "end"}`` (see ``trace.py``)."""
@@ -87,6 +95,7 @@ class TimedJobModel:
         lowered: bool = True,
         model: str = "eager",
         wait_at_post: bool = False,
+        runtime: RuntimeCosts | None = None,
     ) -> None:
         if model not in MODELS:
             raise ValueError(f"unknown communication model {model!r}; valid: {', '.join(MODELS)}")
@@ -99,6 +108,7 @@ class TimedJobModel:
         self.lowered = lowered
         self.stream = model == "stream"
         self.wait_at_post = wait_at_post
+        self.runtime = runtime
         self.cursor = dict.fromkeys(self.ranks, 0)
         self.clock = dict.fromkeys(self.ranks, 0.0)
         self.made: dict[DataKey, tuple[float, int]] = {}  # value -> (time made, rank)
@@ -128,7 +138,7 @@ class TimedJobModel:
                 index = min(self.cursor[rank], max(len(self.steps[rank]) - 1, 0))
                 stuck[rank] = (index, _wait_text(self.waits.get(rank, "its sends to complete")))
             else:
-                finish[rank] = max([self.clock[rank], *ends])
+                finish[rank] = max([self.clock[rank], *ends]) + (self.runtime.run_ms if self.runtime else 0.0)
         for op in self.sends.values():
             recv = self._counterpart(op)
             if recv is not None and recv.done is not None:  # in flight from the moment both sides allow it
@@ -154,18 +164,29 @@ class TimedJobModel:
     def _run_compute(self, rank: int, step: MetaStep) -> bool:
         ready = self.clock[rank]
         waited_for: MetaStep | None = None
+        received, arrival = 0, 0.0  # inputs that came over a link; when the last of them arrived
         for part in step.parts:
             for key in consumes(part, self.num_stages):
                 at, what = self._available(rank, key)
                 if at is None:
                     self.waits[rank] = what
                     return False
+                if isinstance(what, MetaStep):
+                    received, arrival = received + 1, max(arrival, at)
                 if at > ready:
                     ready, waited_for = at, what
-        if waited_for is not None:
+        duration = self.compute_time(step)
+        if self.runtime is not None:  # see the module docstring: the runtime's own work around the compute
+            rt = self.runtime
+            end = self.clock[rank] + received * rt.wait_ms + duration + rt.compute_cost(step)
+            if received:
+                end = max(end, arrival + duration + rt.compute_cost(step, received=True))
+            ready = max(self.clock[rank], end - duration)
+            duration = end - ready
+        if waited_for is not None and ready > self.clock[rank]:
             label = producer_text(waited_for) if isinstance(waited_for, tuple) else waited_for
             self.records.append(_record(rank, label, "p2p-wait", self.clock[rank], ready))
-        end = ready + self.compute_time(step)
+        end = ready + duration
         self.compute[rank].append((ready, end, step))
         self.records.append(_record(rank, step, "compute", ready, end))
         for part in step.parts:
@@ -206,6 +227,8 @@ class TimedJobModel:
             if ready > self.clock[rank]:
                 self.records.append(_record(rank, step, "p2p-wait", self.clock[rank], ready))
                 self.clock[rank] = ready
+        if self.runtime is not None and step.meta_type is MetaStepType.META_RECV:
+            self.clock[rank] += self.runtime.meta_recv_ms  # after its message arrived
         del self.issued_at[rank]
         self.cursor[rank] += 1
         return True
@@ -217,8 +240,10 @@ class TimedJobModel:
         return [op for op in ops if op is not None] if self.wait_at_post else []
 
     def _issue(self, rank: int, step: MetaStep) -> None:
-        now = self.clock[rank]
-        self.records.append(_record(rank, step, "p2p-issue", now, now))
+        now = self.clock[rank]  # its messages leave now; the post takes the rank's time (runtime costs)
+        if self.runtime is not None:
+            self.clock[rank] += self.runtime.post_cost(step)
+        self.records.append(_record(rank, step, "p2p-issue", now, self.clock[rank]))
         group = _Group(rank, now)
         for part in step.comm_parts:
             key = message_key(part)
@@ -333,7 +358,8 @@ def run_timed(
     lowered: bool = True,
     model: str = "eager",
     wait_at_post: bool = False,
+    runtime: RuntimeCosts | None = None,
 ) -> TimedOutcome:
     """One timed run (see :class:`TimedJobModel`)."""
     return TimedJobModel(schedule, stage_to_rank, compute_time, message_time, lowered=lowered, model=model,
-                         wait_at_post=wait_at_post).run()
+                         wait_at_post=wait_at_post, runtime=runtime).run()

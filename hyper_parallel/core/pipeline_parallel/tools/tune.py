@@ -14,6 +14,10 @@ every micro-batch count ``m`` that divides ``N``, and simulates each:
 - the choice: the smallest simulated makespan among the fitting candidates (ties: less
   memory, then fewer micro-batches, fewer chunks, then the name).
 
+With ``runtime`` costs in the cost model (a machine file of ``hyper-parallel calibrate``) and
+``lowered``, each candidate is lowered as ``schedule.run()`` lowers it (prefetch on, metadata for
+the first micro-batch) and the runtime's own cost per step is charged (``runtime_costs.py``).
+
 Candidates a schedule cannot run (it rejects the counts, or the simulation finds a deadlock)
 are listed with the reason.
 
@@ -32,6 +36,7 @@ from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, chunk_range
 from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel
+from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RUNTIME_LOWERING
 from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate_schedule
 from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError
 
@@ -88,8 +93,9 @@ def evaluate(
         scaled = costs.for_micro_batch_size(size) if costs.micro_batch_size else costs
         placement = schedule_class.stage_placement(num_ranks, num_chunks)
         stage_costs = scaled.for_stages(len(placement), allow_even_split=True)
+        like_runtime = RUNTIME_LOWERING if lowered and costs.runtime is not None else {}
         plan, result = simulate_schedule(schedule_class, num_ranks, num_chunks, num_microbatches, stage_costs,
-                                         lowered=lowered, transport=transport)
+                                         lowered=lowered, transport=transport, **like_runtime)
     except (ValueError, ScheduleError) as exc:
         cand.note = "not runnable: " + str(exc).splitlines()[0]
         return cand

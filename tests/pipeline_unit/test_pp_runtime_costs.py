@@ -1,0 +1,248 @@
+"""The runtime's own costs in the timed model (``runtime_costs.py``), machine files, and the
+calibration's analysis of traced records (``calibrate.py``): no framework, no timing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hyper_parallel import Schedule1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+from hyper_parallel.core.pipeline_parallel.tools.calibrate import Samples, collect, runtime_costs, sleep_costs, sleep_of
+from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, StageCost, load_costs, save_costs
+from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.simulation.machine import Machine, load_machine, save_machine
+from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RUNTIME_LOWERING, PerKind, RuntimeCosts
+from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate, simulate_schedule
+
+_T = MetaStepType
+S = MetaStep.from_str
+
+
+def _costs(runtime=None, latency=0.0):
+    return CostModel(stages=(StageCost(F=1.0, B=2.0),), p2p_latency_ms=latency, runtime=runtime).for_stages(2)
+
+
+# ---------------------------------------------------------------------- backwards compatibility
+
+
+@pytest.mark.parametrize("cls,v", [(Schedule1F1B, 1), (ScheduleInterleavedZeroBubble, 2), (ScheduleZBVZeroBubble, 2)])
+@pytest.mark.parametrize("transport", ["plain", "batch"])
+def test_zero_runtime_costs_give_exactly_the_prediction_without_them(cls, v, transport):
+    base = CostModel.per_rank_share(4, v, F=3.0, B=5.0, p2p_latency_ms=0.25)
+    zero = CostModel.per_rank_share(4, v, F=3.0, B=5.0, p2p_latency_ms=0.25, runtime=RuntimeCosts())
+    for lowering in ({}, RUNTIME_LOWERING):
+        _, without = simulate_schedule(cls, 4, v, 8, base, transport=transport, **lowering)
+        _, with_zero = simulate_schedule(cls, 4, v, 8, zero, transport=transport, **lowering)
+        assert with_zero.makespan == without.makespan
+        assert with_zero.timeline == without.timeline
+
+
+def test_a_costs_file_without_runtime_reads_as_before_and_round_trips_with_it(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"format": "hyper-parallel-costs/1", "stages": [{"F": 1, "B": 2}]}))
+    assert load_costs(path).runtime is None
+    rt = RuntimeCosts(compute_ms=PerKind(0.1, 0.2, 0.3, 0.4), received_ms=PerKind(1, 2, 3, 4), send_ms=0.5,
+                      recv_ms=0.6, wait_ms=0.7, meta_ms=0.8, batch_ms=0.9, run_ms=1.5)
+    save_costs(CostModel(stages=(StageCost(F=1.0),), runtime=rt), path)
+    assert load_costs(path).runtime == rt
+
+
+def test_the_timed_model_is_deterministic_with_runtime_costs():
+    costs = CostModel.per_rank_share(4, 2, F=3.0, B=5.0, p2p_latency_ms=0.3, runtime=RuntimeCosts(
+        compute_ms=PerKind(0.3, 0.4, 0.2, 0.1), received_ms=PerKind(0.5, 0.6, 0.4, 0.1), send_ms=0.05,
+        recv_ms=0.04, wait_ms=0.03, meta_ms=0.2, batch_ms=0.1, run_ms=1.0))
+    runs = [simulate_schedule(ScheduleInterleavedZeroBubble, 4, 2, 8, costs, **RUNTIME_LOWERING)[1] for _ in range(3)]
+    assert len({r.makespan for r in runs}) == 1
+    assert runs[0].records == runs[1].records
+
+
+# ---------------------------------------------------------------------- charged on the lowered steps
+
+
+def test_runtime_costs_are_charged_on_each_lowered_step_as_documented():
+    """Two ranks, one micro-batch: F0 on rank 0, sent, F1 and B1 on rank 1, B0 back on rank 0.
+
+    rank 0: F.s0 ends 1 + 0.3 = 1.3; SEND_F posts until 1.3 + 0.05 = 1.35 (the message left at 1.3);
+            RECV_B posts until 1.35 + 0.04 = 1.39; B.s0 waits for the gradient (below).
+    rank 1: RECV_F posts until 0.04; F.s1: its input arrives at 1.3 + 0.2 = 1.5 (it waited since 0.04):
+            ends 1.5 + 1 + 0.5 (received F) = 3.0; B.s1 (local input) ends 3.0 + 2 + 0.4 = 5.4;
+            SEND_B posts from 5.4 until 5.45.
+    rank 0: B.s0's gradient arrives at 5.4 + 0.2 = 5.6 > 1.39 + 0.03 + 2 + 0.4: ends 5.6 + 2 + 0.6 = 8.2.
+    run_ms: everyone finishes 1.0 later; the makespan is 9.2."""
+    steps = {0: [S("F.s0.m0"), S("SEND_F.s0.m0"), S("RECV_B.s0.m0"), S("B.s0.m0")],
+             1: [S("RECV_F.s1.m0"), S("F.s1.m0"), S("B.s1.m0"), S("SEND_B.s1.m0")]}
+    rt = RuntimeCosts(compute_ms=PerKind(F=0.3, B=0.4), received_ms=PerKind(F=0.5, B=0.6), send_ms=0.05,
+                      recv_ms=0.04, wait_ms=0.03, run_ms=1.0)
+    result = simulate(steps, {0: 0, 1: 1}, _costs(rt, latency=0.2))
+    ends = {(rank, str(step)): end for rank, items in result.timeline.items() for _, end, step in items}
+    assert ends[(0, "F.s0.m0")] == pytest.approx(1.3)
+    assert ends[(1, "F.s1.m0")] == pytest.approx(3.0)
+    assert ends[(1, "B.s1.m0")] == pytest.approx(5.4)
+    assert ends[(0, "B.s0.m0")] == pytest.approx(8.2)
+    assert result.makespan == pytest.approx(9.2)
+    issue = {(r["rank"], r["step"]): (r["start"], r["end"]) for r in result.records if r["kind"] == "p2p-issue"}
+    assert issue[(0, "SEND_F.s0.m0")] == pytest.approx((1.3, 1.35))
+    assert issue[(1, "SEND_B.s1.m0")] == pytest.approx((5.4, 5.45))
+
+
+def test_a_wait_on_data_already_there_costs_wait_ms():
+    """Stage 0 on rank 0, stages 1 and 2 on rank 1 (F: 1, 1 and 10 ms). Rank 1's first forward
+    waits for its input (arrives at 1.25 + 0.1: ends 1.35 + 1 + 9); the input of micro-batch 1
+    arrives at 2.6 while rank 1 runs stage 2's long forward (ends 11.35 + 10 + 0.25); its forward
+    then costs wait_ms + its compute + compute_ms."""
+    steps = {0: [S("F.s0.m0"), S("SEND_F.s0.m0"), S("F.s0.m1"), S("SEND_F.s0.m1")],
+             1: [S("RECV_F.s1.m0"), S("RECV_F.s1.m1"), S("F.s1.m0"), S("F.s2.m0"), S("F.s1.m1")]}
+    rt = RuntimeCosts(compute_ms=PerKind(F=0.25), received_ms=PerKind(F=9.0), wait_ms=0.125)
+    stages = (StageCost(F=1.0), StageCost(F=1.0), StageCost(F=10.0))
+    costs = CostModel(stages=stages, p2p_latency_ms=0.1, runtime=rt)
+    from hyper_parallel.core.pipeline_parallel.simulation.timed_model import run_timed
+
+    outcome = run_timed(steps, {0: 0, 1: 1, 2: 1}, costs.step_time, costs.message_time, runtime=rt)
+    ends = {str(step): end for _, end, step in outcome.compute[1]}
+    assert ends["F.s1.m0"] == pytest.approx(11.35)
+    assert ends["F.s2.m0"] == pytest.approx(21.6)
+    assert ends["F.s1.m1"] == pytest.approx(21.6 + 0.125 + 1.0 + 0.25)
+
+
+# ---------------------------------------------------------------------- machine files
+
+
+def test_machine_file_round_trip_and_apply(tmp_path):
+    rt = RuntimeCosts(send_ms=0.1, run_ms=2.0)
+    machine = Machine(rt, 0.2, 3.0, {"backend": "gloo", "nproc": 2})
+    path = tmp_path / "machine.json"
+    save_machine(machine, path)
+    again = load_machine(path)
+    assert again == machine
+    applied = again.apply(CostModel(stages=(StageCost(F=1.0),), p2p_latency_ms=9.0))
+    assert (applied.p2p_latency_ms, applied.p2p_bandwidth_gb_per_s, applied.runtime) == (0.2, 3.0, rt)
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"p2p": {"latency_ms": 0.1}}, "runtime"),
+    ({"runtime": {"send_ms": -1}}, "runtime.send_ms"),
+    ({"runtime": {"send_ms": "fast"}}, "runtime.send_ms"),
+    ({"runtime": {"compute_ms": {"F": -0.1}}}, "runtime.compute_ms.F"),
+    ({"runtime": {"compute_ms": {"X": 1}}}, "runtime.compute_ms: unknown field(s) X"),
+    ({"runtime": {"hurry_ms": 1}}, "unknown runtime field(s) hurry_ms"),
+    ({"runtime": {}, "p2p": {"latency_ms": float("nan")}}, "p2p.latency_ms"),
+    ({"runtime": {}, "p2p": {"bandwidth_gb_per_s": 0}}, "p2p.bandwidth_gb_per_s"),
+    ({"runtime": {}, "extra": 1}, "unknown field(s) in the machine file: extra"),
+    ([1, 2], "JSON object"),
+])
+def test_a_bad_machine_file_names_the_file_and_field(tmp_path, data, field):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as info:
+        load_machine(path)
+    assert str(path) in str(info.value) and field in str(info.value)
+
+
+def test_a_missing_or_malformed_machine_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match="nope.json: cannot read"):
+        load_machine(tmp_path / "nope.json")
+    path = tmp_path / "m.json"
+    path.write_text("{")
+    with pytest.raises(ValueError, match="m.json: not JSON"):
+        load_machine(path)
+
+
+# ---------------------------------------------------------------------- the calibration's analysis
+
+
+def _rec(rank, step, kind, start_ms, end_ms):
+    return {"rank": rank, "step": step, "kind": kind, "start": start_ms / 1e3, "end": end_ms / 1e3}
+
+
+def test_collect_reads_each_cost_from_the_previous_records_end():
+    """Hand-made records of a 2-rank run with F = 4 ms, B = 6 ms sleeps."""
+    records = [
+        _rec(0, "F.s0.m0", "compute", 0.0, 4.5),
+        _rec(0, "SEND_F.s0.m0", "p2p-issue", 4.6, 4.8),           # send 0.3 from 4.5
+        _rec(0, "RECV_B.s0.m0", "p2p-issue", 4.8, 5.0),           # receive 0.2
+        _rec(0, "F.s0.m1", "compute", 5.0, 9.4),                  # local F 0.4
+        _rec(0, "SEND_F.s0.m1", "p2p-issue", 9.5, 9.6),           # send 0.2
+        _rec(1, "RECV_F.s1.m0", "p2p-issue", 0.0, 0.1),           # first record: no sample
+        _rec(1, "RECV_F.s1.m0", "p2p-wait", 0.2, 5.0),            # waited since before the post at 4.6:
+        _rec(1, "F.s1.m0", "compute", 5.0, 9.7),                  # latency 0.4, received F 0.7
+        _rec(1, "B.s1.m0", "compute", 9.8, 16.2),                 # local B 0.5
+        _rec(1, "RECV_F.s1.m1", "p2p-issue", 16.2, 16.3),         # receive 0.1
+        _rec(1, "RECV_F.s1.m1", "p2p-wait", 16.35, 16.4),         # posted at 9.5, long there:
+        _rec(1, "F.s1.m1", "compute", 16.4, 20.9),                # wait 0.05, F 20.9 - 16.3 - 4 - 0.05
+    ]
+    samples = Samples()
+    collect(records, sleep_of(4.0, 6.0), samples)
+    assert samples.values["send_ms"] == pytest.approx([0.3, 0.2])
+    assert samples.values["recv_ms"] == pytest.approx([0.2, 0.1])
+    assert samples.values["latency_ms"] == pytest.approx([0.4])
+    assert samples.values["received_ms.F"] == pytest.approx([0.7])
+    assert samples.values["compute_ms.B"] == pytest.approx([0.5])
+    assert samples.values["wait_ms"] == pytest.approx([0.05])
+    assert sorted(samples.values["compute_ms.F"]) == pytest.approx([0.4, 0.55])
+    rt = runtime_costs(samples, run_ms=-3.0)
+    assert rt.run_ms == 0.0 and rt.send_ms == pytest.approx(0.25)
+    assert rt.compute_ms.I == pytest.approx((0.475 + 0.5) / 2)  # kinds without samples: the median of the others
+    assert rt.received_ms.B == pytest.approx(0.5 + 0.7 - 0.475)  # compute + the others' extra when received
+
+
+def test_with_runtime_costs_the_first_stages_whole_backward_is_its_weight_step():
+    """The runtime's first stage has no input gradient: its I computes nothing, its W everything."""
+    plain = sleep_costs(2, 1, 10.0, 20.0)
+    assert (plain.stages[0].I, plain.stages[0].W) == (10.0, 10.0)
+    steps = {0: [S("F.s0.m0"), S("SEND_F.s0.m0"), S("RECV_B.s0.m0"), S("I.s0.m0"), S("W.s0.m0")],
+             1: [S("RECV_F.s1.m0"), S("F.s1.m0"), S("I.s1.m0"), S("SEND_B.s1.m0"), S("W.s1.m0")]}
+    for runtime, first_w in ((None, (40.0, 50.0)), (RuntimeCosts(), (40.0, 50.0)),
+                             (RuntimeCosts(run_ms=1.0), (30.0, 50.0))):
+        costs = CostModel(stages=plain.stages, runtime=runtime)
+        result = simulate(steps, {0: 0, 1: 1}, costs)
+        spans = {str(step): (start, end) for start, end, step in result.timeline[0]}
+        assert spans["W.s0.m0"] == pytest.approx(first_w)
+    sleep = sleep_of(4.0, 6.0)
+    assert [sleep(S(t)) for t in ("F.s0.m0", "I.s0.m0", "W.s0.m0", "I.s1.m0", "B.s1.m0")] == [4.0, 0.0, 6.0, 3.0, 6.0]
+
+
+def test_a_metadata_receive_costs_meta_recv_ms_once_its_message_arrived():
+    """rank 0: F ends 1 + 0.3; SEND_META posts 1.3-1.8 (its message leaves at 1.3); SEND_F posts at 1.8.
+    rank 1: RECV_META waits for 1.3 + 0.2, then 2 more: 3.5; RECV_F posts until 3.6; its data came
+    at 2.0, so F.s1 ends 3.6 + 1 + 0.3."""
+    steps = {0: [S("F.s0.m0"), S("SEND_META.s0.m0"), S("SEND_F.s0.m0")],
+             1: [S("RECV_META.s1.m0"), S("RECV_F.s1.m0"), S("F.s1.m0")]}
+    rt = RuntimeCosts(compute_ms=PerKind(F=0.3), received_ms=PerKind(F=0.4), recv_ms=0.1, meta_ms=0.5,
+                      meta_recv_ms=2.0)
+    costs = CostModel(stages=(StageCost(F=1.0), StageCost(F=1.0)), p2p_latency_ms=0.2, runtime=rt)
+    from hyper_parallel.core.pipeline_parallel.simulation.timed_model import run_timed
+
+    outcome = run_timed(steps, {0: 0, 1: 1}, costs.step_time, costs.message_time, runtime=rt)
+    assert outcome.compute[1][0][1] == pytest.approx(4.9)
+    issue = {(r["rank"], r["step"]): (r["start"], r["end"]) for r in outcome.records if r["kind"] == "p2p-issue"}
+    assert issue[(0, "SEND_META.s0.m0")] == pytest.approx((1.3, 1.8))
+    assert issue[(1, "RECV_F.s1.m0")] == pytest.approx((3.5, 3.6))
+
+
+def test_collect_measures_a_metadata_receive_to_the_end_of_the_data_receive_behind_it():
+    records = [
+        _rec(0, "F.s0.m0", "compute", 0.0, 4.5),
+        _rec(0, "SEND_META.s0.m0", "p2p-issue", 4.5, 5.0),
+        _rec(1, "RECV_F.s1.m9", "p2p-issue", 0.0, 0.1),
+        _rec(1, "RECV_META.s1.m0", "p2p-issue", 0.1, 6.0),   # its message was posted at 4.5
+        _rec(1, "RECV_F.s1.m0", "p2p-issue", 6.0, 7.5),      # the data receive behind it ends at 7.5
+    ]
+    samples = Samples()
+    collect(records, sleep_of(4.0, 6.0), samples)
+    assert samples.meta_receives == [pytest.approx((0.1, 4.5, 7.5))]
+    assert samples.values["meta_ms"] == pytest.approx([0.5])
+    rt = runtime_costs(samples, latency_ms=0.5)
+    assert rt.meta_recv_ms == pytest.approx(7.5 - (4.5 + 0.5) - rt.recv_ms)
+
+
+def test_a_metadata_receive_that_is_a_ranks_first_step_counts_from_its_own_start():
+    records = [
+        _rec(0, "SEND_META.s0.m0", "p2p-issue", 4.5, 5.0),
+        _rec(1, "RECV_META.s1.m0", "p2p-issue", 0.2, 6.0),
+        _rec(1, "RECV_F.s1.m0", "p2p-issue", 6.0, 7.5),
+    ]
+    samples = Samples()
+    collect(records, sleep_of(4.0, 6.0), samples)
+    assert samples.meta_receives == [pytest.approx((0.2, 4.5, 7.5))]
+    assert "recv_ms" not in samples.values  # the data receive behind it is the metadata receive's
