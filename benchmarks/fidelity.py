@@ -3,10 +3,10 @@
     python benchmarks/fidelity.py --schedules all|NAME[,NAME...] --m M --fwd-ms F --bwd-ms B
                                   [--p 4] [--rounds K] --json OUT
 
-1. ``hyper-parallel calibrate`` once on ``p`` processes (its own workload: ``tools/calibration_job.py``).
+1. ``hyper-parallel calibrate`` once on ``p`` processes (its own workload: ``hyper_parallel/measure/calibration_job.py``).
 2. For each schedule (its default chunks; names as ``simulate --schedule``): ``p`` gloo processes
    train sleep-cost stages (a rank's share sleeps F ms forward, B ms backward, I = W = B / 2, split
-   over its chunks; ``hyper_parallel.core.pipeline_parallel.tools.sleep_pipeline``); the makespan of a step is the last rank's
+   over its chunks; ``hyper_parallel.measure.sleep_pipeline``); the makespan of a step is the last rank's
    end minus the first rank's start after a barrier; the median of K steps after a warm-up step is
    compared with the simulator's prediction from F, B and the machine file alone. The cases run
    in turns (one step of each per round), so that a busy phase of the shared machine hits them alike.
@@ -72,7 +72,7 @@ def build_stages(num_stages: int = 4) -> dict[str, Any]:
 def gpt_job(m: int, rounds: int) -> list[list[float]]:
     """On every rank: the demo GPT trained with 1F1B, ``[start, end]`` of each timed step."""
     import hyper_parallel as hp
-    from hyper_parallel.core.pipeline_parallel.tools import sleep_pipeline
+    from hyper_parallel.measure import sleep_pipeline
     from hyper_parallel.platform import get_platform
 
     p = get_platform()
@@ -99,7 +99,7 @@ def gpt_case(p: int, m: int, rounds: int, machine: Any, folder: str) -> dict[str
     from hyper_parallel import Schedule1F1B
     from hyper_parallel.core.pipeline_parallel.tools.calibrate import predict_ms
     from hyper_parallel.core.pipeline_parallel.simulation.costs import load_costs
-    from hyper_parallel.core.pipeline_parallel.tools.sleep_pipeline import makespans_ms
+    from hyper_parallel.measure.sleep_pipeline import makespans_ms
 
     costs_path = os.path.join(folder, "gpt_costs.json")
     cli = [sys.executable, "-m", "hyper_parallel.cli", "profile", os.path.abspath(__file__), "--stages", str(p),
@@ -120,7 +120,7 @@ def gpt_case(p: int, m: int, rounds: int, machine: Any, folder: str) -> dict[str
 
 def cases_job(cases: list[dict[str, Any]], rounds: int) -> list[list[list[float]]]:
     """On every rank: each case's timed steps as ``[start, end]`` pairs (perf_counter seconds)."""
-    from hyper_parallel.core.pipeline_parallel.tools import sleep_pipeline
+    from hyper_parallel.measure import sleep_pipeline
 
     steps = [sleep_pipeline.build(c["schedule"], c["v"], c["m"], c["fwd_ms"], c["bwd_ms"])[1] for c in cases]
     timed = sleep_pipeline.alternating_steps(steps, rounds, warmup=1)
@@ -131,7 +131,7 @@ def measure(cases: list[dict[str, Any]], p: int, rounds: int) -> list[float]:
     """The median makespan (ms) of each case."""
     from bench_common import run_job
 
-    from hyper_parallel.core.pipeline_parallel.tools.sleep_pipeline import makespans_ms
+    from hyper_parallel.measure.sleep_pipeline import makespans_ms
 
     per_rank = run_job("fidelity", "cases_job", p, {"cases": cases, "rounds": rounds}, timeout=3600.0)
     return [statistics.median(makespans_ms([r[k] for r in per_rank])) for k in range(len(cases))]
@@ -148,7 +148,7 @@ def tune_costs(p: int, m: int, fwd_ms: float, bwd_ms: float, machine: Any) -> An
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from hyper_parallel.core.pipeline_parallel.tools.calibration_job import calibrate
+    from hyper_parallel.measure.calibration_job import calibrate
     from hyper_parallel.core.pipeline_parallel.tools.calibrate import predict_ms, sleep_costs
     from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, default_chunks, resolve_schedule
     from hyper_parallel.core.pipeline_parallel.simulation.machine import Machine

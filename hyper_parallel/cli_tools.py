@@ -509,10 +509,10 @@ def _dryrun(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _calibrate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from hyper_parallel.core.pipeline_parallel.tools.calibration_job import calibrate, check_backend
+    from hyper_parallel.measure.calibration_job import calibrate, check_backend
 
     try:
-        check_backend(args.backend)
+        check_backend(args.backend, args.nproc)
     except ValueError as exc:
         parser.error(f"argument --backend: {exc}")
     data = calibrate(args.nproc, args.backend)

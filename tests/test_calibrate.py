@@ -13,7 +13,7 @@ import sys
 import pytest
 from conftest import REPO_ROOT
 
-from hyper_parallel.core.pipeline_parallel.tools import calibration_job as calibration
+from hyper_parallel.measure import calibration_job as calibration
 from hyper_parallel.cli import main
 from hyper_parallel.core.pipeline_parallel.simulation.machine import load_machine
 from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import KINDS, PER_KIND, SCALARS

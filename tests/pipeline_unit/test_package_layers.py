@@ -171,7 +171,7 @@ def test_nothing_below_the_tools_imports_them():
     entry_points = {"hyper_parallel.cli", "hyper_parallel.cli_tools", "hyper_parallel.dryrun"}
     bad = [f"{mod} -> {target}" for mod, targets in _edges().items() for target in targets
            if _part(target) == "tools" and _part(mod) != "tools" and mod not in entry_points
-           and not mod.startswith("hyper_parallel.demo")]
+           and not mod.startswith(("hyper_parallel.demo", "hyper_parallel.measure"))]
     assert bad == []
 
 
@@ -187,6 +187,19 @@ def test_only_the_platform_imports_a_framework():
             continue
         for name, line in _imports(mod, path):
             if name.split(".")[0] in FRAMEWORKS:
+                bad.append(f"{path}:{line} imports {name}")
+    assert bad == []
+
+
+def test_core_talks_to_a_framework_only_through_get_platform():
+    """``core/`` may import ``hyper_parallel.platform`` (``get_platform()``, ``platform.base`` ...), never
+    a backend package: that would tie a framework-neutral module to torch or MindSpore."""
+    bad = []
+    for mod, path in MODULES.items():
+        if not mod.startswith("hyper_parallel.core"):
+            continue
+        for name, line in _imports(mod, path):
+            if name.startswith(("hyper_parallel.platform.torch", "hyper_parallel.platform.mindspore")):
                 bad.append(f"{path}:{line} imports {name}")
     assert bad == []
 

@@ -40,8 +40,28 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> list[Any]:
     return [results[r] for r in range(nproc)]
 
 
-def cuda_device_count() -> int:
-    """How many CUDA devices torch sees on this machine (0 without CUDA)."""
+def device_count(device_type: str) -> int:
+    """How many devices of ``device_type`` (``cuda`` or ``npu``) torch sees on this machine (0 when
+    the framework support is missing or sees none)."""
+    import importlib.util
+
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device_type == "npu":
+        if importlib.util.find_spec("torch_npu") is None:
+            return 0
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    module = getattr(torch, device_type, None)
+    return int(module.device_count()) if module is not None and module.is_available() else 0
+
+
+def select_local_device(device_type: str) -> None:
+    """Give this process the device of its local rank (``LOCAL_RANK``), as every torchrun job on
+    GPUs or NPUs does before it builds stages: without it every rank sits on device 0."""
+    if device_type == "cpu":
+        return
+    import torch
+
+    if device_type == "npu":
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    getattr(torch, device_type).set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -1,6 +1,6 @@
 """From what `hyper-parallel calibrate` measured to a machine file (no framework, no tensor).
 
-The calibration job (``tools/calibration_job.py``) runs, on ``n`` real processes, a
+The calibration job (``hyper_parallel/measure/calibration_job.py``) runs, on ``n`` real processes, a
 ping-pong between neighbouring ranks and the library's own runtime on sleep-cost stages with
 step tracing on: a forward sleeps ``F`` and a backward ``B`` (``I = W = B / 2``), values and
 micro-batch count of its own. This module turns that into `runtime_costs.RuntimeCosts`:

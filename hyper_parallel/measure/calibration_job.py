@@ -13,7 +13,7 @@ CUDA, HCCL on Ascend) and in each runs `worker`:
 
 Its workload is its own (``CALIBRATION``: a forward of 4 ms, a backward of 6 ms, ``2 n + 1``
 micro-batches), never a case the simulator is judged on. The parent turns the records into a
-machine file (``core/pipeline_parallel/calibrate.py``).
+machine file (``core/pipeline_parallel/tools/calibrate.py``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ CALIBRATION: dict[str, Any] = {
 }
 
 
-def check_backend(backend: str) -> str:
-    """The device type of a backend; ValueError when unknown or when this machine lacks it."""
+def check_backend(backend: str, nproc: int = 1) -> str:
+    """The device type of a backend; ValueError when unknown, or when this machine lacks a device
+    for each of the ``nproc`` processes (one device per process, as NCCL and HCCL need)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     device = BACKENDS[backend]
@@ -43,11 +44,14 @@ def check_backend(backend: str) -> str:
 
     if device == "npu" and importlib.util.find_spec("torch_npu") is None:
         raise ValueError("backend hccl needs torch_npu (Ascend), which is not installed")
-    if device == "cuda":
-        from hyper_parallel.platform.torch.launch import cuda_device_count
+    from hyper_parallel.platform.torch.launch import device_count
 
-        if cuda_device_count() == 0:
-            raise ValueError("backend nccl needs CUDA devices, and torch sees none")
+    have = device_count(device)
+    if have == 0:
+        raise ValueError(f"backend {backend} needs {device.upper()} devices, and torch sees none")
+    if have < nproc:
+        raise ValueError(f"backend {backend} needs one {device.upper()} device per process: {nproc} processes, "
+                         f"{have} device(s)")
     return device
 
 
@@ -77,10 +81,12 @@ def _ping_pong(p: Any, size: int, trips: int, paired: bool) -> float:
 
 def worker(settings: dict[str, Any]) -> dict[str, Any]:
     """One rank of the calibration job (see the module docstring); JSON-able results."""
-    from hyper_parallel.core.pipeline_parallel.tools import sleep_pipeline
+    from hyper_parallel.measure import sleep_pipeline
     from hyper_parallel.platform import get_platform, set_platform
+    from hyper_parallel.platform.torch.launch import select_local_device
     from hyper_parallel.platform.torch.platform import TorchPlatform
 
+    select_local_device(settings["device"])  # one device per rank (NCCL / HCCL), as torchrun jobs do
     set_platform(TorchPlatform(device_type=settings["device"]))
     p = get_platform()
     out: dict[str, Any] = {"rank": p.rank}
@@ -118,7 +124,7 @@ def calibrate(nproc: int, backend: str = "gloo") -> dict[str, Any]:
     from hyper_parallel.core.pipeline_parallel.simulation.machine import Machine
     from hyper_parallel.platform.torch.launch import launch_local
 
-    device = check_backend(backend)
+    device = check_backend(backend, nproc)
     settings = dict(CALIBRATION, device=device)
     results = launch_local(worker, nproc, settings)
     ping_pong, bandwidth = link([r["link"] for r in results if "link" in r])
