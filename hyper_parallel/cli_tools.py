@@ -128,6 +128,9 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     low, high = chunk_range(cls)
     if not low <= chunks <= high:
         parser.error(f"argument -v/--chunks: {name} runs {low}..{high} chunks per rank, got {chunks}")
+    if args.machine is not None and args.compute_only:
+        parser.error("argument --compute-only: not allowed with --machine (a machine file predicts the lowered "
+                     "lists run() executes; give the runtime costs in a costs file to simulate compute-only lists)")
     costs = _load_costs(parser, args.costs)
     machine = _load_machine(parser, args.machine)
     stages = len(cls.stage_placement(args.ranks, chunks))
@@ -149,7 +152,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RUNTIME_LOWERING
 
         costs = machine.apply(costs)
-        like_runtime = RUNTIME_LOWERING if not args.compute_only else {}
+        like_runtime = RUNTIME_LOWERING
         where += f", machine {args.machine}"
     try:
         plan, result = simulate_schedule(cls, args.ranks, chunks, args.micro_batches, costs,
@@ -571,7 +574,8 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
                    help="a measured trace to compare with and draw beside the plan")
     p.add_argument("--machine", default=None,
                    help="machine file of 'hyper-parallel calibrate': its link and the runtime's own cost per step "
-                        "replace the costs file's link, and the lists are lowered as schedule.run() lowers them")
+                        "replace the costs file's link, and the lists are lowered as schedule.run() lowers them "
+                        "(not with --compute-only)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the chart")
     p.set_defaults(handler=_simulate, sub_parser=p)
 

@@ -108,6 +108,19 @@ def test_a_bad_machine_file_is_one_error_line_naming_file_and_field(capsys, tmp_
     assert "Traceback" not in err
 
 
+def test_simulate_machine_refuses_compute_only_lists_in_one_line(capsys, tmp_path):
+    """--machine predicts the lowered lists run() executes: compute-only lists are a usage error."""
+    path = tmp_path / "machine.json"
+    path.write_text('{"p2p": {"latency_ms": 10.0}, "runtime": {"compute_ms": 0.01}}')
+    with pytest.raises(SystemExit) as info:
+        main(["simulate", "-p", "2", "-m", "4", "--machine", str(path), "--compute-only"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("hyper-parallel simulate: error: argument --compute-only: not "
+                                                   "allowed with --machine")
+    assert "Traceback" not in err
+
+
 @pytest.mark.timeout(600)
 def test_fidelity_benchmark_writes_the_documented_schema(tmp_path):
     out = tmp_path / "fidelity.json"

@@ -11,9 +11,11 @@ from hyper_parallel import Schedule1F1B, ScheduleInterleavedZeroBubble, Schedule
 from hyper_parallel.core.pipeline_parallel.tools.calibrate import Samples, collect, runtime_costs, sleep_costs, sleep_of
 from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, StageCost, load_costs, save_costs
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.ir.steps import consumes, produces
 from hyper_parallel.core.pipeline_parallel.simulation.machine import Machine, load_machine, save_machine
 from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RUNTIME_LOWERING, PerKind, RuntimeCosts
 from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate, simulate_schedule
+from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, default_chunks
 
 _T = MetaStepType
 S = MetaStep.from_str
@@ -246,3 +248,73 @@ def test_a_metadata_receive_that_is_a_ranks_first_step_counts_from_its_own_start
     collect(records, sleep_of(4.0, 6.0), samples)
     assert samples.meta_receives == [pytest.approx((0.2, 4.5, 7.5))]
     assert "recv_ms" not in samples.values  # the data receive behind it is the metadata receive's
+
+
+# ---------------------------------------------------------------------- inputs from another rank
+
+
+def _arrival_violations(plan, result, costs):
+    """Compute steps that start before an input made on another rank can have arrived there
+    (made + message time: a send leaves no earlier than the end of the step that made it)."""
+    made = {}
+    for rank, items in result.timeline.items():
+        for _, end, step in items:
+            for part in step.parts:
+                for key in produces(part):
+                    made[key] = (end, rank)
+    bad = []
+    stages = len(plan.stage_to_rank)
+    for rank, items in result.timeline.items():
+        for start, _, step in items:
+            for part in step.parts:
+                for key in consumes(part, stages):
+                    end, where = made[key]
+                    if where != rank and start < end + costs.message_time(key) - 1e-9:
+                        bad.append((rank, str(step), start, end + costs.message_time(key)))
+    return bad
+
+
+_SOME_RUNTIME = RuntimeCosts(compute_ms=PerKind(0.01, 0.02, 0.01, 0.01), received_ms=PerKind(0.3, 0.2, 0.1, 0.1),
+                             send_ms=0.05, recv_ms=0.04, wait_ms=0.03, meta_ms=0.2, meta_recv_ms=0.5,
+                             batch_ms=0.1, run_ms=1.0)
+
+
+@pytest.mark.parametrize("name", sorted(available_schedules()))
+@pytest.mark.parametrize("lowering", ["compute-only", "plain", "batch"])
+def test_a_runtime_cost_never_starts_a_compute_step_before_its_input_arrived(name, lowering):
+    """With a message slower than any step (10 ms), every input from another rank gates its
+    consumer, lowered or not (finding: on compute-only lists the arrival was dropped)."""
+    cls = available_schedules()[name]
+    v = default_chunks(cls)
+    for runtime in (None, RuntimeCosts(compute_ms=PerKind(0.01, 0.01, 0.01, 0.01)), _SOME_RUNTIME):
+        costs = CostModel.per_rank_share(2, v, F=1.0, B=2.0, p2p_latency_ms=10.0, runtime=runtime)
+        lowered = lowering != "compute-only"
+        plan, result = simulate_schedule(cls, 2, v, 4, costs, lowered=lowered,
+                                         transport="batch" if lowering == "batch" else "plain",
+                                         **(RUNTIME_LOWERING if lowered else {}))
+        assert _arrival_violations(plan, result, costs.for_stages(len(plan.stage_to_rank))) == []
+        assert result.makespan > 30.0  # at least three 10 ms hops on every schedule's critical path
+
+
+@pytest.mark.parametrize("transport", ["plain", "batch"])
+def test_tune_with_runtime_costs_lowers_the_searched_orders_like_the_library_schedules(transport):
+    """Every candidate of ``tune(..., lowered=True)`` is simulated on the lists run() executes,
+    searched orders too (they were simulated unlowered, with no post or metadata cost)."""
+    from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement, v_placement
+    from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+    from hyper_parallel.core.pipeline_parallel.tools.tune import tune
+
+    layer = StageCost(F=1.0, B=2.0, activation_bytes=100.0, param_bytes=10.0)
+    costs = CostModel(stages=(layer,), layers=(layer,) * 8, micro_batch_size=2, p2p_latency_ms=0.5,
+                      runtime=_SOME_RUNTIME)
+    schedules = {"1f1b": available_schedules()["1f1b"]}
+    result = tune(costs, 1000.0, 16, 2, schedules=schedules, chunk_options=(1, 2), micro_batches=(8,),
+                  lowered=True, transport=transport, search=True)
+    searched = [c for c in result.candidates if c.schedule.startswith("search-") and c.order is not None]
+    assert searched
+    model = "stream" if transport == "batch" else "eager"
+    for cand in searched:
+        placement = v_placement(2) if cand.schedule.startswith("search-v") else looped_placement(2, cand.num_chunks)
+        stage_costs = costs.for_micro_batch_size(cand.micro_batch_size).for_stages(len(placement))
+        steps = lower(cand.order, placement, transport, **RUNTIME_LOWERING)
+        assert cand.makespan_ms == simulate(steps, placement, stage_costs, model=model).makespan

@@ -26,7 +26,8 @@ With ``runtime`` costs (``runtime_costs.py``, measured by ``hyper-parallel calib
 runtime's own work is charged too: posting a communication step takes the rank's time (its
 messages leave when the post begins), a compute step costs its ``compute_ms`` beyond its compute,
 a wait on received data that is already there ``wait_ms``, a hand-over of data that just arrived
-``received_ms`` from its arrival, a metadata receive ``meta_recv_ms`` once its message arrived, and every rank ends ``run_ms`` later. Without them (or all 0)
+``received_ms`` from its arrival (in a compute-only list every input made on another rank
+counts as received, arriving ``message_time`` after it was made), a metadata receive ``meta_recv_ms`` once its message arrived, and every rank ends ``run_ms`` later. Without them (or all 0)
 the times are exactly those above.
 
 Links are independent (no contention between messages). Because every time is a maximum of
@@ -171,8 +172,8 @@ class TimedJobModel:
                 if at is None:
                     self.waits[rank] = what
                     return False
-                if isinstance(what, MetaStep):
-                    received, arrival = received + 1, max(arrival, at)
+                if isinstance(what, MetaStep) or (not self.lowered and self.stage_to_rank[key[1]] != rank):
+                    received, arrival = received + 1, max(arrival, at)  # came over a link (lowered or not)
                 if at > ready:
                     ready, waited_for = at, what
         duration = self.compute_time(step)
@@ -181,7 +182,7 @@ class TimedJobModel:
             end = self.clock[rank] + received * rt.wait_ms + duration + rt.compute_cost(step)
             if received:
                 end = max(end, arrival + duration + rt.compute_cost(step, received=True))
-            ready = max(self.clock[rank], end - duration)
+            ready = max(ready, end - duration)  # never before an input is there
             duration = end - ready
         if waited_for is not None and ready > self.clock[rank]:
             label = producer_text(waited_for) if isinstance(waited_for, tuple) else waited_for

@@ -24,7 +24,8 @@ are listed with the reason.
 With ``search`` the tuner also builds custom orders (`order_search.greedy_order`) for the looped
 placement of every chunk count and for the V placement, with and without the dx/dW split, each
 within the memory the rank has left after its weights; they appear as ``search-looped``,
-``search-looped-zb``, ``search-v`` and ``search-v-zb``, and the chosen one's order is in
+``search-looped-zb``, ``search-v`` and ``search-v-zb`` (simulated lowered, like the library
+schedules, when ``lowered``), and the chosen one's order is in
 ``Candidate.order`` (write it with `schedule_csv.save_schedule_csv`).
 """
 
@@ -128,9 +129,12 @@ def _fill(cand: Candidate, result: Any, stage_to_rank: dict[int, int], stage_cos
 
 def search_candidate(
     costs: CostModel, num_ranks: int, num_chunks: int, placement: str, split: bool, num_microbatches: int,
-    global_batch: int, memory_limit: float, state_factor: float = 4.0,
+    global_batch: int, memory_limit: float, state_factor: float = 4.0, lowered: bool = False,
+    transport: str = "plain",
 ) -> Candidate:
-    """A custom order from `order_search.greedy_order` for one configuration, simulated."""
+    """A custom order from `order_search.greedy_order` for one configuration, simulated (lowered
+    as `evaluate` lowers the library schedules, so that every candidate is compared alike)."""
+    from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
     from hyper_parallel.core.pipeline_parallel.tools.order_search import greedy_order
     from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement, v_placement
     from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate
@@ -144,7 +148,11 @@ def search_candidate(
         stage_costs = scaled.for_stages(len(stage_to_rank), allow_even_split=True)
         static = _static_bytes(stage_to_rank, stage_costs, num_ranks, state_factor)
         order = greedy_order(stage_to_rank, num_microbatches, stage_costs, memory_limit - max(static.values()), split)
-        result = simulate(order, stage_to_rank, stage_costs)
+        steps = order
+        if lowered:
+            like_runtime = RUNTIME_LOWERING if costs.runtime is not None else {}
+            steps = lower(order, stage_to_rank, transport, **like_runtime)
+        result = simulate(steps, stage_to_rank, stage_costs, model="stream" if transport == "batch" else "eager")
     except (ValueError, ScheduleError) as exc:
         cand.note = "not runnable: " + str(exc).splitlines()[0]
         return cand
@@ -192,7 +200,7 @@ def tune(
             for split in (False, True):
                 for m in counts:
                     candidates.append(search_candidate(costs, num_ranks, v, placement, split, m, global_batch,
-                                                       memory_limit, state_factor))
+                                                       memory_limit, state_factor, lowered, transport))
     fitting = [c for c in candidates if c.fits]
     best = min(fitting, key=Candidate.sort_key) if fitting else None
     candidates.sort(key=lambda c: (c.makespan_ms is None, not c.fits, c.makespan_ms or 0.0, c.schedule,
