@@ -4,6 +4,8 @@ calibration's analysis of traced records (``calibrate.py``): no framework, no ti
 from __future__ import annotations
 
 import json
+import random
+from dataclasses import replace
 
 import pytest
 
@@ -13,9 +15,9 @@ from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, St
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.ir.steps import consumes, produces
 from hyper_parallel.core.pipeline_parallel.simulation.machine import Machine, load_machine, save_machine
-from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RUNTIME_LOWERING, PerKind, RuntimeCosts
+from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RUNTIME_LOWERING, SCALARS, PerKind, RuntimeCosts
 from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate, simulate_schedule
-from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, default_chunks
+from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, chunk_range, default_chunks
 
 _T = MetaStepType
 S = MetaStep.from_str
@@ -30,14 +32,32 @@ def _costs(runtime=None, latency=0.0):
 
 @pytest.mark.parametrize("cls,v", [(Schedule1F1B, 1), (ScheduleInterleavedZeroBubble, 2), (ScheduleZBVZeroBubble, 2)])
 @pytest.mark.parametrize("transport", ["plain", "batch"])
-def test_zero_runtime_costs_give_exactly_the_prediction_without_them(cls, v, transport):
+def test_zero_runtime_costs_give_the_prediction_of_the_times_the_runtime_spends(cls, v, transport):
+    """A runtime object with every figure 0 is the free runtime: exactly the prediction without
+    one, of the stage times the runtime spends (the first stage's I is 0, its W is I + W)."""
     base = CostModel.per_rank_share(4, v, F=3.0, B=5.0, p2p_latency_ms=0.25)
-    zero = CostModel.per_rank_share(4, v, F=3.0, B=5.0, p2p_latency_ms=0.25, runtime=RuntimeCosts())
-    for lowering in ({}, RUNTIME_LOWERING):
-        _, without = simulate_schedule(cls, 4, v, 8, base, transport=transport, **lowering)
-        _, with_zero = simulate_schedule(cls, 4, v, 8, zero, transport=transport, **lowering)
-        assert with_zero.makespan == without.makespan
-        assert with_zero.timeline == without.timeline
+    first = base.stages[0]
+    spent = replace(base, stages=(StageCost(F=first.F, B=first.B, I=0.0, W=first.I + first.W), *base.stages[1:]))
+    for zero in (RuntimeCosts(), RuntimeCosts.from_json({})):
+        for lowering in ({}, RUNTIME_LOWERING):
+            _, without = simulate_schedule(cls, 4, v, 8, spent, transport=transport, **lowering)
+            _, with_zero = simulate_schedule(cls, 4, v, 8, replace(base, runtime=zero), transport=transport,
+                                             **lowering)
+            assert with_zero.makespan == without.makespan
+            assert with_zero.timeline == without.timeline
+
+
+def test_a_costs_file_without_runtime_predicts_exactly_as_before(tmp_path):
+    """The backwards-compatibility promise: no runtime object, the prediction of old (the first
+    stage's I and W as the file gives them)."""
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"format": "hyper-parallel-costs/1", "p2p": {"latency_ms": 0.25},
+                                "stages": [{"F": 3, "B": 5, "I": 2, "W": 3}]}))
+    costs = load_costs(path)
+    assert costs.runtime is None
+    _, result = simulate_schedule(ScheduleInterleavedZeroBubble, 2, 1, 4, costs.for_stages(2))
+    spans = {str(step): (start, end) for start, end, step in result.timeline[0]}
+    assert spans["I.s0.m0"][1] - spans["I.s0.m0"][0] == 2.0 and spans["W.s0.m0"][1] - spans["W.s0.m0"][0] == 3.0
 
 
 def test_a_costs_file_without_runtime_reads_as_before_and_round_trips_with_it(tmp_path):
@@ -194,7 +214,7 @@ def test_with_runtime_costs_the_first_stages_whole_backward_is_its_weight_step()
     assert (plain.stages[0].I, plain.stages[0].W) == (10.0, 10.0)
     steps = {0: [S("F.s0.m0"), S("SEND_F.s0.m0"), S("RECV_B.s0.m0"), S("I.s0.m0"), S("W.s0.m0")],
              1: [S("RECV_F.s1.m0"), S("F.s1.m0"), S("I.s1.m0"), S("SEND_B.s1.m0"), S("W.s1.m0")]}
-    for runtime, first_w in ((None, (40.0, 50.0)), (RuntimeCosts(), (40.0, 50.0)),
+    for runtime, first_w in ((None, (40.0, 50.0)), (RuntimeCosts(), (30.0, 50.0)),
                              (RuntimeCosts(run_ms=1.0), (30.0, 50.0))):
         costs = CostModel(stages=plain.stages, runtime=runtime)
         result = simulate(steps, {0: 0, 1: 1}, costs)
@@ -318,3 +338,58 @@ def test_tune_with_runtime_costs_lowers_the_searched_orders_like_the_library_sch
         stage_costs = costs.for_micro_batch_size(cand.micro_batch_size).for_stages(len(placement))
         steps = lower(cand.order, placement, transport, **RUNTIME_LOWERING)
         assert cand.makespan_ms == simulate(steps, placement, stage_costs, model=model).makespan
+
+
+# ---------------------------------------------------------------------- monotonic from 0
+
+
+def _random_runtime(rng):
+    def per_kind():
+        return PerKind(*(rng.choice([0.0, rng.uniform(0, 2)]) for _ in range(4)))
+    return RuntimeCosts(compute_ms=per_kind(), received_ms=per_kind(),
+                        **{name: rng.choice([0.0, rng.uniform(0, 2)]) for name in SCALARS})
+
+
+def _raised(runtime, field, kind, by):
+    if kind is None:
+        return replace(runtime, **{field: getattr(runtime, field) + by})
+    per_kind = getattr(runtime, field)
+    return replace(runtime, **{field: replace(per_kind, **{kind: per_kind.get(kind) + by})})
+
+
+def test_raising_any_runtime_figure_never_shortens_the_prediction():
+    """From 0 (the reviewer's case: dualpipev, p = 2, m = 4, batch, 1.7 ms links: 31.6 ms with an
+    empty runtime object, 31.1 ms with run_ms = 1e-9) and from a random base, over a seeded
+    sample of schedules x chunk counts x transports x lowering."""
+    rng = random.Random(25)
+    schedules = sorted(available_schedules().items())
+    fields = [(name, None) for name in SCALARS] + [(f, k) for f in ("compute_ms", "received_ms") for k in "FBIW"]
+
+    def makespan(cls, p, v, m, runtime, transport, latency, lowered):
+        costs = CostModel.per_rank_share(p, v, F=4.0, B=6.0, p2p_latency_ms=latency, runtime=runtime)
+        return simulate_schedule(cls, p, v, m, costs, lowered=lowered, transport=transport,
+                                 **(RUNTIME_LOWERING if lowered else {}))[1].makespan
+
+    cls = available_schedules()["dualpipev"]
+    zero = makespan(cls, 2, 2, 4, RuntimeCosts(), "batch", 1.7, True)
+    assert makespan(cls, 2, 2, 4, RuntimeCosts(run_ms=1e-9), "batch", 1.7, True) >= zero
+    checked = 0
+    for _ in range(60):
+        name, cls = rng.choice(schedules)
+        low, high = chunk_range(cls)
+        v = rng.randint(low, min(high, 3))
+        p = rng.choice([2, 3])
+        m = rng.choice([2 * p, 2 * p + 1])
+        transport, lowered = rng.choice([("plain", True), ("batch", True), ("plain", False)])
+        latency = rng.uniform(0, 3)
+        field, kind = rng.choice(fields)
+        try:
+            for base in (RuntimeCosts(), _random_runtime(rng)):
+                before = makespan(cls, p, v, m, base, transport, latency, lowered)
+                for by in (1e-9, rng.uniform(0.01, 2)):
+                    after = makespan(cls, p, v, m, _raised(base, field, kind, by), transport, latency, lowered)
+                    assert after >= before - 1e-9, (name, p, v, m, transport, lowered, latency, field, kind, by, base)
+        except ValueError:  # a count this schedule does not run
+            continue
+        checked += 1
+    assert checked >= 30

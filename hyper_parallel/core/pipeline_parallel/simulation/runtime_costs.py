@@ -33,8 +33,9 @@ runtime's own book-keeping between two steps is part of the next step's cost):
 
 An overlapped pair (``OVERLAP_B_F``) costs the sum over its parts. With runtime costs the
 simulator also runs the first stage's whole backward in its W step, as the runtime does (that
-stage has no input gradient, so its I computes nothing). Without a ``runtime`` object (or with
-every field 0) the simulation is exactly the one without runtime costs.
+stage has no input gradient, so its I computes nothing), whenever a ``runtime`` object is given,
+even one whose fields are all 0 (so raising any figure from 0 never shortens a prediction).
+Without a ``runtime`` object the simulation is exactly the one of old, without runtime costs.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class RuntimeCosts:
 
     @property
     def is_zero(self) -> bool:
-        """Every figure 0: the same as no runtime costs."""
+        """Every figure 0 (the runtime's own work is free; its first-stage rule still holds)."""
         return self == RuntimeCosts()
 
     def compute_cost(self, step: MetaStep, received: bool = False) -> float:

@@ -100,12 +100,12 @@ def simulate(
     ``"stream"`` (NCCL/HCCL, the batch transport) for lowered lists; ``wait_at_post``: the
     communication steps wait for their receives. A `CostModel` with ``runtime`` costs (a
     machine file, ``machine.py``) also charges the runtime's own work per lowered step, and puts
-    the first stage's I time into its W (that stage has no input gradient to compute); runtime
-    costs that are all 0 are no runtime costs.
+    the first stage's I time into its W (that stage has no input gradient to compute), even when
+    every runtime figure is 0; without a ``runtime`` object the prediction is the one of old.
     """
     table = _cost_model(costs, comm_cost, len(stage_to_rank))
     lowered = any(s is not None and s.meta_type.is_comm for steps in schedule.values() for s in steps)
-    runtime = table.runtime if table.runtime is not None and not table.runtime.is_zero else None
+    runtime = table.runtime  # present, even all 0: simulate as the runtime runs (monotonic from 0)
     step_time = table.step_time if runtime is None else _as_the_runtime_runs(table)
     outcome = run_timed(schedule, stage_to_rank, step_time, table.message_time, lowered=lowered,
                         model=model, wait_at_post=wait_at_post, runtime=runtime)

@@ -27,8 +27,8 @@ runtime's own work is charged too: posting a communication step takes the rank's
 messages leave when the post begins), a compute step costs its ``compute_ms`` beyond its compute,
 a wait on received data that is already there ``wait_ms``, a hand-over of data that just arrived
 ``received_ms`` from its arrival (in a compute-only list every input made on another rank
-counts as received, arriving ``message_time`` after it was made), a metadata receive ``meta_recv_ms`` once its message arrived, and every rank ends ``run_ms`` later. Without them (or all 0)
-the times are exactly those above.
+counts as received, arriving ``message_time`` after it was made), a metadata receive ``meta_recv_ms`` once its message arrived, and every rank ends ``run_ms`` later. Without them, or with
+every figure 0, the times are exactly those above.
 
 Links are independent (no contention between messages). Because every time is a maximum of
 earlier times plus durations, the result does not depend on the order in which ranks are
