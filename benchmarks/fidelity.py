@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -205,19 +206,69 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _positive_ms(text: str) -> float:
+    """An argparse ``type``: a finite number of milliseconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _int_from(low: int) -> Any:
+    """An argparse ``type``: an integer >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+    return parse
+
+
+def check_cases(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Everything that can be checked before a process starts: the schedule names, ``m >= 2 p``
+    and that every schedule generates its lists for these counts (a usage error otherwise)."""
+    from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, default_chunks, resolve_schedule
+
+    names = list(available_schedules()) if args.schedules == "all" else [n.strip() for n in args.schedules.split(",")]
+    if not any(names):
+        parser.error("argument --schedules: name at least one schedule, or all")
+    classes = {}
+    for name in filter(None, names):
+        try:
+            key, cls = resolve_schedule(name)
+        except ValueError as exc:
+            parser.error(f"argument --schedules: {exc}")
+        classes[key] = cls
+    if args.m < 2 * args.p:
+        parser.error(f"argument --m: needs at least 2 p = {2 * args.p} micro-batches, got {args.m}")
+    for name, cls in classes.items():
+        try:
+            cls.generate(args.p, default_chunks(cls), args.m)
+        except ValueError as exc:
+            parser.error(f"argument --m: {name} cannot run {args.m} micro-batches on {args.p} ranks: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from hyper_parallel.cli_paths import output_path
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", required=True, help="all, or comma-separated names as simulate --schedule")
-    parser.add_argument("--m", type=int, required=True, help="micro-batches of every case (>= 2 p)")
-    parser.add_argument("--fwd-ms", type=float, required=True, help="forward sleep of a rank's share (ms)")
-    parser.add_argument("--bwd-ms", type=float, required=True, help="backward sleep of a rank's share (ms)")
-    parser.add_argument("--p", type=int, default=4, help="pipeline ranks (gloo processes)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed steps per case, after one warm-up step")
-    parser.add_argument("--json", required=True, help="where the results go")
+    parser.add_argument("--m", type=_int_from(1), required=True, help="micro-batches of every case (>= 2 p)")
+    parser.add_argument("--fwd-ms", type=_positive_ms, required=True, help="forward sleep of a rank's share (ms)")
+    parser.add_argument("--bwd-ms", type=_positive_ms, required=True, help="backward sleep of a rank's share (ms)")
+    parser.add_argument("--p", type=_int_from(2), default=4, help="pipeline ranks (gloo processes)")
+    parser.add_argument("--rounds", type=_int_from(5), default=5,
+                        help="timed steps per case (K >= 5), after one warm-up step")
+    parser.add_argument("--json", type=output_path, required=True, help="where the results go")
     parser.add_argument("--gpt", action="store_true", help="also the demo GPT with 'hyper-parallel profile' costs")
     args = parser.parse_args(argv)
-    if args.p < 2 or args.m < 1 or args.rounds < 1 or args.fwd_ms <= 0 or args.bwd_ms <= 0:
-        parser.error("need --p >= 2, --m >= 1, --rounds >= 1 and positive --fwd-ms / --bwd-ms")
+    check_cases(parser, args)
     out = run(args)
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(out, f, indent=2)

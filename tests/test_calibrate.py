@@ -126,7 +126,7 @@ def test_fidelity_benchmark_writes_the_documented_schema(tmp_path):
     out = tmp_path / "fidelity.json"
     env = dict(os.environ, PYTHONPATH=REPO_ROOT)
     argv = [sys.executable, FIDELITY, "--schedules", "1f1b", "--m", "4", "--fwd-ms", "2", "--bwd-ms", "2",
-            "--rounds", "1", "--p", "2", "--json", str(out)]
+            "--rounds", "5", "--p", "2", "--json", str(out)]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=580, env=env, cwd=REPO_ROOT)
     except subprocess.TimeoutExpired as exc:
@@ -142,3 +142,40 @@ def test_fidelity_benchmark_writes_the_documented_schema(tmp_path):
     assert tune["picked"] in tune["candidates"]
     assert tune["best_measured_ms"] == min(c["measured_ms"] for c in tune["candidates"])
     assert tune["picked_measured_ms"] == tune["picked"]["measured_ms"]
+
+
+def _fidelity_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fidelity_under_test", FIDELITY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--schedules", "foo"], "argument --schedules: unknown schedule 'foo'"),
+    (["--schedules", ","], "argument --schedules: name at least one schedule"),
+    (["--fwd-ms", "nan"], "argument --fwd-ms: must be a finite number > 0, got 'nan'"),
+    (["--bwd-ms", "inf"], "argument --bwd-ms: must be a finite number > 0, got 'inf'"),
+    (["--bwd-ms", "0"], "argument --bwd-ms: must be a finite number > 0, got '0'"),
+    (["--schedules", "dualpipev", "--m", "3"], "argument --m: needs at least 2 p = 4 micro-batches, got 3"),
+    (["--json", "/nonexistent/x.json"], "argument --json: cannot write /nonexistent/x.json"),
+    (["--rounds", "1"], "argument --rounds: must be an integer >= 5, got 1"),
+    (["--p", "1"], "argument --p: must be an integer >= 2, got 1"),
+])
+def test_fidelity_bad_input_is_one_error_line_before_any_process_starts(capsys, monkeypatch, tmp_path, argv, message):
+    """Checked before calibrating: calibrate() here would fail the test with another exception."""
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibrated before the arguments were checked")
+
+    monkeypatch.setattr(calibration, "calibrate", no_calibration)
+    base = ["--schedules", "1f1b", "--m", "8", "--fwd-ms", "5", "--bwd-ms", "10", "--p", "2",
+            "--json", str(tmp_path / "out.json")]
+    with pytest.raises(SystemExit) as info:
+        _fidelity_module().main(base + argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f": error: {message}" in errors[0] and "Traceback" not in err
+    assert not (tmp_path / "out.json").exists()
