@@ -518,10 +518,19 @@ def _calibrate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         check_backend(args.backend, args.nproc)
     except ValueError as exc:
         parser.error(f"argument --backend: {exc}")
+    try:  # a file that is there, opened as it will be but not truncated (root passes os.access)
+        if os.path.exists(args.out):
+            os.close(os.open(args.out, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+    except OSError as exc:
+        parser.error(f"argument --out: cannot write {args.out}: {exc.strerror or exc}")
     data = calibrate(args.nproc, args.backend)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+    try:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+    except OSError as exc:  # found only by writing (a file of /proc, a full disk): after the calibration
+        parser.error(f"argument --out: cannot write {args.out}: {exc.strerror or exc} (the calibration was "
+                     "not saved; --json prints it)")
     if args.json:
         _print_json(data)
         return 0

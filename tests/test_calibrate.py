@@ -108,6 +108,23 @@ def test_a_bad_machine_file_is_one_error_line_naming_file_and_field(capsys, tmp_
     assert "Traceback" not in err
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not os.path.isfile("/proc/version"), reason="needs /proc/version, a file no one can write")
+def test_calibrate_into_a_file_that_cannot_be_written_is_one_error_line(capsys, monkeypatch):
+    """/proc/version passes every check root has before writing (os.access, opening it); the
+    write itself fails, after the calibration: one error line and exit code 2, no traceback."""
+    monkeypatch.setitem(calibration.CALIBRATION, "rounds", 1)
+    monkeypatch.setitem(calibration.CALIBRATION, "warmup", 1)
+    monkeypatch.setitem(calibration.CALIBRATION, "trips", 4)
+    with pytest.raises(SystemExit) as info:
+        main(["calibrate", "--nproc", "2", "--out", "/proc/version"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("hyper-parallel calibrate: error: argument --out: cannot write "
+                                                   "/proc/version")
+    assert "Traceback" not in err
+
+
 def test_simulate_machine_refuses_compute_only_lists_in_one_line(capsys, tmp_path):
     """--machine predicts the lowered lists run() executes: compute-only lists are a usage error."""
     path = tmp_path / "machine.json"
