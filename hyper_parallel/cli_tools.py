@@ -529,8 +529,10 @@ def _calibrate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
             json.dump(data, f, indent=2)
             f.write("\n")
     except OSError as exc:  # found only by writing (a file of /proc, a full disk): after the calibration
+        if args.json:
+            _print_json(data)
         parser.error(f"argument --out: cannot write {args.out}: {exc.strerror or exc} (the calibration was "
-                     "not saved; --json prints it)")
+                     "not saved; with --json it was printed)")
     if args.json:
         _print_json(data)
         return 0
