@@ -90,6 +90,9 @@ def test_calibrate_names_a_backend_this_machine_lacks(capsys):
     ('{"runtime": {"wait_ms": -0.5}}', "runtime.wait_ms must be a finite number >= 0, got -0.5"),
     ('{"runtime": {"received_ms": {"B": "slow"}}}', "runtime.received_ms.B must be a finite number >= 0"),
     ('{"p2p": {"latency_ms": 0.1}}', "no 'runtime' object"),
+    ('{"runtime": {}, "overlap": "zzz"}', "overlap must be one of sum, max"),
+    ('{"runtime": {}, "p2p": 0}', "p2p must be an object"),
+    ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),
 ])
 def test_a_bad_machine_file_is_one_error_line_naming_file_and_field(capsys, tmp_path, command, content, field):
     path = tmp_path / "machine.json"

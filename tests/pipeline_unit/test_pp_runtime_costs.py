@@ -393,3 +393,81 @@ def test_raising_any_runtime_figure_never_shortens_the_prediction():
             continue
         checked += 1
     assert checked >= 30
+
+
+# ---------------------------------------------------------------------- machine-file loader
+
+
+@pytest.mark.parametrize("extra,field", [
+    ({"stages": "x"}, "stages must be a list of objects, got 'x'"),
+    ({"layers": 5}, "layers must be a list of objects, got 5"),
+    ({"layers": [{"F": -1}]}, "layers[0]: F must be a finite number >= 0"),
+    ({"stages": [{"G": 1}]}, "stages[0]: unknown field(s) G"),
+    ({"overlap": "zzz"}, "overlap must be one of sum, max, got 'zzz'"),
+    ({"micro_batch_size": -3}, "micro_batch_size must be an int >= 1, got -3"),
+    ({"micro_batch_size": 2.5}, "micro_batch_size must be an int >= 1, got 2.5"),
+    ({"p2p": 0}, "p2p must be an object"),
+    ({"p2p": None}, "p2p must be an object"),
+    ({"p2p": []}, "p2p must be an object"),
+    ({"machine": "vm"}, "machine must be an object, got 'vm'"),
+    ({"runtime": None}, "no 'runtime' object"),
+])
+def test_every_field_of_a_machine_file_is_checked(tmp_path, extra, field):
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"format": "hyper-parallel-costs/1", "runtime": {}, **extra}))
+    with pytest.raises(ValueError) as info:
+        load_machine(path)
+    assert str(path) in str(info.value) and field in str(info.value)
+
+
+@pytest.mark.parametrize("extra,field", [({"p2p": 0}, "p2p must be an object"),
+                                         ({"p2p": None}, "p2p must be an object"),
+                                         ({"machine": 3}, "machine must be an object")])
+def test_a_costs_file_checks_p2p_and_machine_as_objects(tmp_path, extra, field):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"stages": [{"F": 1}], **extra}))
+    with pytest.raises(ValueError, match=field):
+        load_costs(path)
+
+
+def test_a_link_figure_the_machine_file_does_not_give_stays_the_costs_files(tmp_path):
+    """calibrate writes a null bandwidth when it could not measure one: that is not an
+    infinitely fast link; a machine file without p2p leaves the costs file's latency too."""
+    costs = CostModel(stages=(StageCost(F=1.0, output_bytes=1e6),), p2p_latency_ms=0.7, p2p_bandwidth_gb_per_s=2.0)
+    path = tmp_path / "m.json"
+    for p2p, expected in (({"latency_ms": 0.2, "bandwidth_gb_per_s": None}, (0.2, 2.0)),
+                          ({"latency_ms": 0.2}, (0.2, 2.0)),
+                          (None, (0.7, 2.0)),
+                          ({"bandwidth_gb_per_s": 5.0}, (0.7, 5.0)),
+                          ({"latency_ms": 0.0, "bandwidth_gb_per_s": 9.0}, (0.0, 9.0))):
+        data = {"format": "hyper-parallel-costs/1", "runtime": {"send_ms": 0.1}}
+        if p2p is not None:
+            data["p2p"] = p2p
+        path.write_text(json.dumps(data))
+        applied = load_machine(path).apply(costs)
+        assert (applied.p2p_latency_ms, applied.p2p_bandwidth_gb_per_s) == expected
+        assert applied.runtime == RuntimeCosts(send_ms=0.1)
+    machine = Machine(RuntimeCosts(), 0.2, None)
+    save_machine(machine, path)
+    assert load_machine(path) == machine
+
+
+def test_a_machine_file_with_stages_is_a_costs_file(tmp_path):
+    """The docs call the machine file the costs format: --costs reads one (its machine object is ignored)."""
+    machine = Machine(RuntimeCosts(send_ms=0.1), 0.2, 3.0, {"backend": "gloo", "nproc": 2})
+    data = machine.to_json()
+    data["stages"] = [{"F": 1.0, "B": 2.0}]
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps(data))
+    costs = load_costs(path)
+    assert (costs.runtime, costs.p2p_latency_ms, costs.p2p_bandwidth_gb_per_s) == (machine.runtime, 0.2, 3.0)
+    assert costs.stages == (StageCost(F=1.0, B=2.0),)
+    assert load_machine(path) == machine
+
+
+@pytest.mark.parametrize("loader", [load_costs, load_machine])
+def test_json_nested_too_deeply_is_a_value_error_naming_the_file(tmp_path, loader):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="deep.json: JSON nested too deeply"):
+        loader(path)

@@ -32,7 +32,8 @@ A message takes ``latency_ms + bytes / bandwidth``; without a bandwidth only the
 
 An optional ``"runtime"`` object holds the runtime's own cost per lowered step on a machine
 (``runtime_costs.py``; `hyper-parallel calibrate` measures it); without it the runtime costs
-nothing, as before.
+nothing, as before. The free-form ``"machine"`` object of a machine file (``machine.py``: what
+was calibrated) is read and ignored, so a machine file is a costs file too.
 """
 
 from __future__ import annotations
@@ -309,24 +310,12 @@ class CostModel:
             raise ValueError(f"a costs file holds a JSON object, got {type(data).__name__}")
         if data.get("format", FORMAT) != FORMAT:
             raise ValueError(f"unknown costs format {data.get('format')!r}; expected {FORMAT!r}")
-        unknown = sorted(set(data) - {"format", "micro_batch_size", "overlap", "p2p", "stages", "layers", "comment",
-                                  "runtime"})
+        unknown = sorted(set(data) - set(FIELDS))
         if unknown:
             raise ValueError(f"unknown field(s) in the costs file: {', '.join(unknown)}")
-        p2p = data.get("p2p") or {}
-        if not isinstance(p2p, dict):
-            raise ValueError(f"p2p must be an object with latency_ms and bandwidth_gb_per_s, got {p2p!r}")
-        bad = sorted(set(p2p) - {"latency_ms", "bandwidth_gb_per_s"})
-        if bad:
-            raise ValueError(f"unknown p2p field(s): {', '.join(bad)}; valid: latency_ms, bandwidth_gb_per_s")
-        _number("p2p.latency_ms", p2p.get("latency_ms", 0.0))
-        if _number("p2p.bandwidth_gb_per_s", p2p.get("bandwidth_gb_per_s"), allow_none=True) == 0:
-            raise ValueError("p2p.bandwidth_gb_per_s must be > 0 (leave it out for an infinitely fast link), got 0")
-        for key in ("stages", "layers"):
-            if not isinstance(data.get(key) or [], list):
-                raise ValueError(f"{key} must be a list of objects, got {data[key]!r}")
-        stages = [StageCost.from_json(e, f"stages[{k}]") for k, e in enumerate(data.get("stages") or [])]
-        layers = [StageCost.from_json(e, f"layers[{k}]") for k, e in enumerate(data.get("layers") or [])]
+        latency, bandwidth = read_p2p(data)
+        stages, layers = read_entries(data)
+        read_settings(data)
         if not stages and not layers:
             raise ValueError("the costs file needs a non-empty 'stages' (or 'layers') list")
         if not stages:
@@ -335,19 +324,73 @@ class CostModel:
         return cls(
             stages=tuple(stages), layers=tuple(layers), overlap=data.get("overlap", "sum"), runtime=runtime,
             micro_batch_size=data.get("micro_batch_size"),
-            p2p_latency_ms=p2p.get("latency_ms", 0.0), p2p_bandwidth_gb_per_s=p2p.get("bandwidth_gb_per_s"),
+            p2p_latency_ms=0.0 if latency is None else latency, p2p_bandwidth_gb_per_s=bandwidth,
         )
 
 
-def load_costs(path: str | os.PathLike[str]) -> CostModel:
-    """Read a costs file; ValueError naming the file on bad content."""
+FIELDS = ("format", "comment", "micro_batch_size", "overlap", "p2p", "stages", "layers", "runtime", "machine")
+"""The top-level fields of the costs format (``machine``: what a machine file says was calibrated)."""
+
+
+def read_p2p(data: dict[str, Any]) -> tuple[float | None, float | None]:
+    """The ``p2p`` object of a costs or machine file: (latency, bandwidth), None where not given."""
+    if "p2p" not in data:
+        return None, None
+    p2p = data["p2p"]
+    if not isinstance(p2p, dict):
+        raise ValueError(f"p2p must be an object with latency_ms and bandwidth_gb_per_s, got {p2p!r}")
+    bad = sorted(set(p2p) - {"latency_ms", "bandwidth_gb_per_s"})
+    if bad:
+        raise ValueError(f"unknown p2p field(s): {', '.join(bad)}; valid: latency_ms, bandwidth_gb_per_s")
+    latency = _number("p2p.latency_ms", p2p.get("latency_ms"), allow_none=True)
+    bandwidth = _number("p2p.bandwidth_gb_per_s", p2p.get("bandwidth_gb_per_s"), allow_none=True)
+    if bandwidth == 0:
+        raise ValueError("p2p.bandwidth_gb_per_s must be > 0 (leave it out for an infinitely fast link), got 0")
+    return latency, bandwidth
+
+
+def read_entries(data: dict[str, Any]) -> tuple[list[StageCost], list[StageCost]]:
+    """The ``stages`` and ``layers`` lists of a costs file (each may be missing or null)."""
+    found = []
+    for key in ("stages", "layers"):
+        entries = data.get(key)
+        if entries is None:
+            entries = []
+        if not isinstance(entries, list):
+            raise ValueError(f"{key} must be a list of objects, got {entries!r}")
+        found.append([StageCost.from_json(e, f"{key}[{k}]") for k, e in enumerate(entries)])
+    return found[0], found[1]
+
+
+def read_settings(data: dict[str, Any]) -> None:
+    """Check ``overlap``, ``micro_batch_size`` and the free-form ``machine`` object of a costs file."""
+    overlap = data.get("overlap", "sum")
+    if overlap not in OVERLAP_RULES:
+        raise ValueError(f"overlap must be one of {', '.join(OVERLAP_RULES)}, got {overlap!r}")
+    size = data.get("micro_batch_size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"micro_batch_size must be an int >= 1, got {size!r}")
+    info = data.get("machine")
+    if info is not None and not isinstance(info, dict):
+        raise ValueError(f"machine must be an object, got {info!r}")
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """The JSON of a costs or machine file; ValueError naming the file when it is not JSON."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            return json.load(f)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None
+
+
+def load_costs(path: str | os.PathLike[str]) -> CostModel:
+    """Read a costs file; ValueError naming the file on bad content."""
+    data = read_json(path)
     try:
         return CostModel.from_json(data)
     except ValueError as exc:

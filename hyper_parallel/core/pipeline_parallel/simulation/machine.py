@@ -13,23 +13,30 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hyper_parallel.core.pipeline_parallel.simulation.costs import FORMAT, CostModel, _number
+from hyper_parallel.core.pipeline_parallel.simulation.costs import (
+    FIELDS, FORMAT, CostModel, read_entries, read_json, read_p2p, read_settings,
+)
 from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RuntimeCosts
 
 
 @dataclass(frozen=True)
 class Machine:
-    """A machine file: the link, the runtime's costs, and what was calibrated (free-form)."""
+    """A machine file: the link, the runtime's costs, and what was calibrated (free-form).
+    A link figure that is None was not given (not measured) and leaves the costs file's."""
 
     runtime: RuntimeCosts
-    p2p_latency_ms: float = 0.0
+    p2p_latency_ms: float | None = None
     p2p_bandwidth_gb_per_s: float | None = None
     info: dict[str, Any] | None = None
 
     def apply(self, costs: CostModel) -> CostModel:
-        """``costs`` with this machine's link and runtime costs (they replace the costs file's)."""
-        return replace(costs, p2p_latency_ms=self.p2p_latency_ms, p2p_bandwidth_gb_per_s=self.p2p_bandwidth_gb_per_s,
-                       runtime=self.runtime)
+        """``costs`` with this machine's runtime costs and the link figures it gives (they replace
+        the costs file's; one it does not give, such as a bandwidth calibrate could not measure,
+        stays the costs file's)."""
+        latency = costs.p2p_latency_ms if self.p2p_latency_ms is None else self.p2p_latency_ms
+        bandwidth = costs.p2p_bandwidth_gb_per_s if self.p2p_bandwidth_gb_per_s is None else \
+            self.p2p_bandwidth_gb_per_s
+        return replace(costs, p2p_latency_ms=latency, p2p_bandwidth_gb_per_s=bandwidth, runtime=self.runtime)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -45,41 +52,28 @@ class Machine:
 
     @classmethod
     def from_json(cls, data: Any) -> Machine:
+        """A machine file's content; ValueError naming the field. The other fields of the costs
+        format (``stages``, ``layers``, ``overlap``, ``micro_batch_size``) are checked as the
+        costs file's are, and not used: the stage costs come from ``--costs``."""
         if not isinstance(data, dict):
             raise ValueError(f"a machine file holds a JSON object, got {type(data).__name__}")
         if data.get("format", FORMAT) != FORMAT:
             raise ValueError(f"unknown format {data.get('format')!r}; expected {FORMAT!r}")
-        unknown = sorted(set(data) - {"format", "comment", "p2p", "runtime", "machine", "micro_batch_size",
-                                      "overlap", "stages", "layers"})
+        unknown = sorted(set(data) - set(FIELDS))
         if unknown:
             raise ValueError(f"unknown field(s) in the machine file: {', '.join(unknown)}")
-        if "runtime" not in data:
+        if data.get("runtime") is None:
             raise ValueError("no 'runtime' object (write one with hyper-parallel calibrate)")
-        p2p = data.get("p2p") or {}
-        if not isinstance(p2p, dict):
-            raise ValueError(f"p2p must be an object with latency_ms and bandwidth_gb_per_s, got {p2p!r}")
-        bad = sorted(set(p2p) - {"latency_ms", "bandwidth_gb_per_s"})
-        if bad:
-            raise ValueError(f"unknown p2p field(s): {', '.join(bad)}; valid: latency_ms, bandwidth_gb_per_s")
-        latency = _number("p2p.latency_ms", p2p.get("latency_ms", 0.0))
-        bandwidth = _number("p2p.bandwidth_gb_per_s", p2p.get("bandwidth_gb_per_s"), allow_none=True)
-        if bandwidth == 0:
-            raise ValueError("p2p.bandwidth_gb_per_s must be > 0 (leave it out for an infinitely fast link), got 0")
-        info = data.get("machine")
-        if info is not None and not isinstance(info, dict):
-            raise ValueError(f"machine must be an object, got {info!r}")
-        return cls(RuntimeCosts.from_json(data["runtime"]), latency, bandwidth, info)
+        latency, bandwidth = read_p2p(data)
+        read_entries(data)
+        read_settings(data)
+        return cls(RuntimeCosts.from_json(data["runtime"]), latency, bandwidth, data.get("machine"))
 
 
 def load_machine(path: str | os.PathLike[str]) -> Machine:
     """Read a machine file; ValueError naming the file (and the field) on bad content."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+        data = read_json(path)
     except OSError as exc:
         raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from None
     try:
