@@ -110,6 +110,20 @@ def _load_machine(parser: argparse.ArgumentParser, path: str | None) -> Any:
         parser.error(f"argument --machine: {exc}")
 
 
+def _machine_transport(args: argparse.Namespace, machine: Any) -> str:
+    """``--transport`` as given; without it ``batch`` for a machine calibrated on NCCL or HCCL
+    (what ``p2p_transport="auto"`` picks there), else ``plain``. Warns (stderr) when the machine
+    file was calibrated with another number of processes than ``-p``."""
+    info = machine.info if machine is not None and isinstance(machine.info, dict) else {}
+    nproc = info.get("nproc")
+    if isinstance(nproc, int) and not isinstance(nproc, bool) and nproc != args.ranks:
+        print(f"warning: {args.machine} was calibrated with {nproc} processes, not {args.ranks}: its per-step "
+              f"costs may differ with {args.ranks} (calibrate with --nproc {args.ranks})", file=sys.stderr)
+    if args.transport is not None:
+        return args.transport
+    return "batch" if info.get("backend") in ("nccl", "hccl") else "plain"
+
+
 # ---------------------------------------------------------------------- simulate
 
 
@@ -156,7 +170,8 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         where += f", machine {args.machine}"
     try:
         plan, result = simulate_schedule(cls, args.ranks, chunks, args.micro_batches, costs,
-                                         lowered=not args.compute_only, transport=args.transport, **like_runtime)
+                                         lowered=not args.compute_only, transport=_machine_transport(args, machine),
+                                         **like_runtime)
     except (ValueError, ScheduleError) as exc:
         print(f"hyper-parallel simulate: {exc}", file=sys.stderr)
         return 1
@@ -388,7 +403,8 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         micro = args.micro_batches
     result = tune(costs, args.memory_limit, args.global_batch, args.ranks, schedules=schedules,
                   chunk_options=args.chunks, micro_batches=micro, state_factor=args.state_factor,
-                  lowered=args.lowered or machine is not None, transport=args.transport, search=args.search)
+                  lowered=args.lowered or machine is not None, transport=_machine_transport(args, machine),
+                  search=args.search)
     if args.save_order:
         if result.best is None or result.best.order is None:
             print("hyper-parallel tune: --save-order: the choice is a library schedule, not a searched order "
@@ -573,8 +589,9 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("-v", "--chunks", type=_int_at_least(1), default=None,
                    help="stages per rank (default: 2 for multi-chunk schedules, else 1)")
     p.add_argument("--costs", default=None, help="costs file (JSON, see docs/tools.md)")
-    p.add_argument("--transport", choices=TRANSPORTS, default="plain",
-                   help="P2P transport: plain (eager sends, gloo) or batch (one stream, NCCL/HCCL)")
+    p.add_argument("--transport", choices=TRANSPORTS, default=None,
+                   help="P2P transport: plain (eager sends, gloo) or batch (one stream, NCCL/HCCL); default: "
+                        "batch for a --machine file calibrated on nccl or hccl, else plain")
     p.add_argument("--compute-only", action="store_true", help="simulate the compute lists without lowering")
     p.add_argument("--chart", choices=("auto", "full", "wrap", "compact"), default="auto", help="chart layout")
     p.add_argument("--width", type=_int_at_least(20), default=None, help="chart width (default: the terminal's)")
@@ -586,7 +603,7 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--machine", default=None,
                    help="machine file of 'hyper-parallel calibrate': its link and the runtime's own cost per step "
                         "replace the costs file's link, and the lists are lowered as schedule.run() lowers them "
-                        "(not with --compute-only)")
+                        "(--compute-only is refused with it); about 1.5x the CPU time of a plain simulation")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the chart")
     p.set_defaults(handler=_simulate, sub_parser=p)
 
@@ -642,9 +659,12 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--state-factor", type=_float_from(0.0, inclusive=True), default=4.0,
                    help="bytes of weights, gradients and optimizer state per parameter byte")
     p.add_argument("--lowered", action="store_true", help="simulate lowered lists (slower)")
-    p.add_argument("--transport", choices=TRANSPORTS, default="plain", help="P2P transport (with --lowered)")
+    p.add_argument("--transport", choices=TRANSPORTS, default=None,
+                   help="P2P transport (with --lowered); default: batch for a --machine file calibrated on nccl "
+                        "or hccl, else plain")
     p.add_argument("--machine", default=None,
-                   help="machine file of 'hyper-parallel calibrate' (implies --lowered; see simulate --machine)")
+                   help="machine file of 'hyper-parallel calibrate' (implies --lowered, so every candidate is "
+                        "lowered: several times slower at scale; see simulate --machine)")
     p.add_argument("--search", action="store_true",
                    help="also build custom step orders within the memory limit (search-* candidates)")
     p.add_argument("--save-order", type=output_path, default=None, help="write the chosen searched order here as a schedule CSV")

@@ -128,6 +128,45 @@ def test_calibrate_into_a_file_that_cannot_be_written_is_one_error_line(capsys, 
     assert "Traceback" not in err
 
 
+def _simulated(capsys, machine, *extra):
+    code = main(["simulate", "--schedule", "1f1b", "-p", "2", "-m", "4", "--machine", str(machine), "--json", *extra])
+    captured = capsys.readouterr()
+    assert code == 0
+    return json.loads(captured.out)["makespan_ms"], captured.err
+
+
+@pytest.mark.parametrize("backend,transport", [("nccl", "batch"), ("hccl", "batch"), ("gloo", "plain"), (None, "plain")])
+def test_simulate_machine_takes_its_transport_from_the_calibrated_backend(capsys, tmp_path, backend, transport):
+    """Without --transport a machine calibrated on NCCL/HCCL is simulated with the batched
+    transport (what p2p_transport="auto" picks there); --transport still wins."""
+    path = tmp_path / "machine.json"
+    data = {"p2p": {"latency_ms": 0.5}, "runtime": {"send_ms": 0.3, "recv_ms": 0.2, "batch_ms": 2.0}}
+    if backend is not None:
+        data["machine"] = {"backend": backend, "nproc": 2}
+    path.write_text(json.dumps(data))
+    default, _ = _simulated(capsys, path)
+    plain, _ = _simulated(capsys, path, "--transport", "plain")
+    batch, _ = _simulated(capsys, path, "--transport", "batch")
+    assert plain != batch
+    assert default == {"plain": plain, "batch": batch}[transport]
+
+
+def test_a_machine_calibrated_with_another_process_count_is_warned_about(capsys, tmp_path):
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps({"runtime": {"send_ms": 0.3}, "machine": {"backend": "gloo", "nproc": 4}}))
+    _, err = _simulated(capsys, path)
+    assert err.strip() == (f"warning: {path} was calibrated with 4 processes, not 2: its per-step costs may differ "
+                           "with 2 (calibrate with --nproc 2)")
+    path.write_text(json.dumps({"runtime": {"send_ms": 0.3}, "machine": {"backend": "gloo", "nproc": 2}}))
+    assert _simulated(capsys, path)[1] == ""
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"stages": [{"F": 1, "B": 2}]}')
+    path.write_text(json.dumps({"runtime": {}, "machine": {"nproc": 3}}))
+    code = main(["tune", "--costs", str(costs), "--memory-limit", "1GiB", "--global-batch", "4", "-p", "2",
+                 "--schedules", "1f1b", "--machine", str(path), "--json"])
+    assert code == 0 and "calibrated with 3 processes, not 2" in capsys.readouterr().err
+
+
 def test_simulate_machine_refuses_compute_only_lists_in_one_line(capsys, tmp_path):
     """--machine predicts the lowered lists run() executes: compute-only lists are a usage error."""
     path = tmp_path / "machine.json"
