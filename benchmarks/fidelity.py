@@ -217,19 +217,6 @@ def _positive_ms(text: str) -> float:
     return value
 
 
-def _int_from(low: int) -> Any:
-    """An argparse ``type``: an integer >= ``low``."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
-        return value
-    return parse
-
-
 def check_cases(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Everything that can be checked before a process starts: the schedule names, ``m >= 2 p``
     and that every schedule generates its lists for these counts (a usage error otherwise)."""
@@ -256,14 +243,15 @@ def check_cases(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 def main(argv: list[str] | None = None) -> int:
     from hyper_parallel.cli_paths import output_path
+    from hyper_parallel.cli_tools import _int_at_least
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", required=True, help="all, or comma-separated names as simulate --schedule")
-    parser.add_argument("--m", type=_int_from(1), required=True, help="micro-batches of every case (>= 2 p)")
+    parser.add_argument("--m", type=_int_at_least(1), required=True, help="micro-batches of every case (>= 2 p)")
     parser.add_argument("--fwd-ms", type=_positive_ms, required=True, help="forward sleep of a rank's share (ms)")
     parser.add_argument("--bwd-ms", type=_positive_ms, required=True, help="backward sleep of a rank's share (ms)")
-    parser.add_argument("--p", type=_int_from(2), default=4, help="pipeline ranks (gloo processes)")
-    parser.add_argument("--rounds", type=_int_from(5), default=5,
+    parser.add_argument("--p", type=_int_at_least(2), default=4, help="pipeline ranks (gloo processes)")
+    parser.add_argument("--rounds", type=_int_at_least(5), default=5,
                         help="timed steps per case (K >= 5), after one warm-up step")
     parser.add_argument("--json", type=output_path, required=True, help="where the results go")
     parser.add_argument("--gpt", action="store_true", help="also the demo GPT with 'hyper-parallel profile' costs")
