@@ -39,7 +39,6 @@ was calibrated) is read and ignored, so a machine file is a costs file too.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -47,6 +46,7 @@ from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RuntimeCosts
+from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import non_negative as _number
 
 FORMAT = "hyper-parallel-costs/1"
 OVERLAP_RULES = ("sum", "max")
@@ -54,14 +54,6 @@ _T = MetaStepType
 _KIND_KEYS = {_T.FWD: "F", _T.BWD: "B", _T.BWD_INPUT: "I", _T.BWD_WEIGHT: "W"}
 _ENTRY_FIELDS = ("F", "B", "I", "W", "FB", "activation_bytes", "activation_bytes_after_input", "output_bytes",
                  "param_bytes", "overhead_ms")
-
-
-def _number(name: str, value: Any, allow_none: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -306,13 +298,7 @@ class CostModel:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CostModel:
-        if not isinstance(data, dict):
-            raise ValueError(f"a costs file holds a JSON object, got {type(data).__name__}")
-        if data.get("format", FORMAT) != FORMAT:
-            raise ValueError(f"unknown costs format {data.get('format')!r}; expected {FORMAT!r}")
-        unknown = sorted(set(data) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"unknown field(s) in the costs file: {', '.join(unknown)}")
+        check_head(data, "costs file")
         latency, bandwidth = read_p2p(data)
         stages, layers = read_entries(data)
         read_settings(data)
@@ -330,6 +316,18 @@ class CostModel:
 
 FIELDS = ("format", "comment", "micro_batch_size", "overlap", "p2p", "stages", "layers", "runtime", "machine")
 """The top-level fields of the costs format (``machine``: what a machine file says was calibrated)."""
+
+
+def check_head(data: Any, what: str) -> None:
+    """What a costs file and a machine file (``what``) both start with: a JSON object of this
+    format with none but the known fields; ValueError naming what is wrong."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a {what} holds a JSON object, got {type(data).__name__}")
+    if data.get("format", FORMAT) != FORMAT:
+        raise ValueError(f"unknown costs format {data.get('format')!r}; expected {FORMAT!r}")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown field(s) in the {what}: {', '.join(unknown)}")
 
 
 def read_p2p(data: dict[str, Any]) -> tuple[float | None, float | None]:

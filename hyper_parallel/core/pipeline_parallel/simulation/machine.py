@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.simulation.costs import (
-    FIELDS, FORMAT, CostModel, read_entries, read_json, read_p2p, read_settings,
+    FORMAT, CostModel, check_head, read_entries, read_json, read_p2p, read_settings,
 )
 from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RuntimeCosts
 
@@ -55,13 +55,7 @@ class Machine:
         """A machine file's content; ValueError naming the field. The other fields of the costs
         format (``stages``, ``layers``, ``overlap``, ``micro_batch_size``) are checked as the
         costs file's are, and not used: the stage costs come from ``--costs``."""
-        if not isinstance(data, dict):
-            raise ValueError(f"a machine file holds a JSON object, got {type(data).__name__}")
-        if data.get("format", FORMAT) != FORMAT:
-            raise ValueError(f"unknown format {data.get('format')!r}; expected {FORMAT!r}")
-        unknown = sorted(set(data) - set(FIELDS))
-        if unknown:
-            raise ValueError(f"unknown field(s) in the machine file: {', '.join(unknown)}")
+        check_head(data, "machine file")
         if data.get("runtime") is None:
             raise ValueError("no 'runtime' object (write one with hyper-parallel calibrate)")
         latency, bandwidth = read_p2p(data)

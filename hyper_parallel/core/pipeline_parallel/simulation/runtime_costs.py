@@ -48,12 +48,16 @@ from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepTyp
 
 _T = MetaStepType
 KINDS = ("F", "B", "I", "W")
-_KIND_OF = {_T.FWD: "F", _T.BWD: "B", _T.BWD_INPUT: "I", _T.BWD_WEIGHT: "W"}
+KIND_OF = {_T.FWD: "F", _T.BWD: "B", _T.BWD_INPUT: "I", _T.BWD_WEIGHT: "W"}
 SCALARS = ("send_ms", "recv_ms", "wait_ms", "meta_ms", "meta_recv_ms", "batch_ms", "run_ms")
 PER_KIND = ("compute_ms", "received_ms")
 
 
-def _number(name: str, value: Any) -> float:
+def non_negative(name: str, value: Any, allow_none: bool = False) -> Any:
+    """``value`` as a float when it is a finite number >= 0 (None too with ``allow_none``);
+    ValueError naming the field otherwise. The one check of every figure of a costs or machine file."""
+    if value is None and allow_none:
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
@@ -81,14 +85,14 @@ class PerKind:
     @classmethod
     def from_json(cls, data: Any, where: str) -> PerKind:
         if isinstance(data, (int, float)) and not isinstance(data, bool):
-            value = _number(where, data)
+            value = non_negative(where, data)
             return cls(value, value, value, value)
         if not isinstance(data, dict):
             raise ValueError(f"{where} must be an object with F, B, I, W (ms) or one number, got {data!r}")
         bad = sorted(set(data) - set(KINDS))
         if bad:
             raise ValueError(f"{where}: unknown field(s) {', '.join(bad)}; valid: F, B, I, W")
-        return cls(**{k: _number(f"{where}.{k}", data.get(k, 0.0)) for k in KINDS})
+        return cls(**{k: non_negative(f"{where}.{k}", data.get(k, 0.0)) for k in KINDS})
 
 
 @dataclass(frozen=True)
@@ -107,23 +111,18 @@ class RuntimeCosts:
 
     def __post_init__(self) -> None:
         for name in SCALARS:
-            object.__setattr__(self, name, _number(f"runtime.{name}", getattr(self, name)))
+            object.__setattr__(self, name, non_negative(f"runtime.{name}", getattr(self, name)))
         for name in PER_KIND:
             if not isinstance(getattr(self, name), PerKind):
                 raise TypeError(f"runtime.{name} must be a PerKind, got {getattr(self, name)!r}")
-
-    @property
-    def is_zero(self) -> bool:
-        """Every figure 0 (the runtime's own work is free; its first-stage rule still holds)."""
-        return self == RuntimeCosts()
 
     def compute_cost(self, step: MetaStep, received: bool = False) -> float:
         """What a compute step costs beyond its compute (``received``: counted from the arrival
         of its input, which only the first part of an overlapped pair consumes)."""
         parts = step.parts
-        total = sum(self.compute_ms.get(_KIND_OF.get(p.meta_type, "F")) for p in parts)
+        total = sum(self.compute_ms.get(KIND_OF.get(p.meta_type, "F")) for p in parts)
         if received and parts:
-            first = _KIND_OF.get(parts[0].meta_type, "F")
+            first = KIND_OF.get(parts[0].meta_type, "F")
             total += self.received_ms.get(first) - self.compute_ms.get(first)
         return total
 
@@ -149,4 +148,4 @@ class RuntimeCosts:
         if bad:
             raise ValueError(f"unknown runtime field(s) {', '.join(bad)}; valid: {', '.join(PER_KIND + SCALARS)}")
         kinds = {name: PerKind.from_json(data.get(name, 0.0), f"runtime.{name}") for name in PER_KIND}
-        return cls(**kinds, **{name: _number(f"runtime.{name}", data.get(name, 0.0)) for name in SCALARS})
+        return cls(**kinds, **{name: non_negative(f"runtime.{name}", data.get(name, 0.0)) for name in SCALARS})

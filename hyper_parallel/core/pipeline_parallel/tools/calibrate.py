@@ -34,10 +34,16 @@ from typing import Any
 from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.simulation.machine import Machine
-from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import KINDS, RUNTIME_LOWERING, PerKind, RuntimeCosts
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import counterpart
+from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import (
+    KIND_OF,
+    KINDS,
+    RUNTIME_LOWERING,
+    PerKind,
+    RuntimeCosts,
+)
 
 _T = MetaStepType
-_KIND_OF = {_T.FWD: "F", _T.BWD: "B", _T.BWD_INPUT: "I", _T.BWD_WEIGHT: "W"}
 TRIM = 0.05
 """Share of the samples left out at each end before averaging."""
 READY_MARGIN_MS = 0.5
@@ -55,10 +61,6 @@ class Samples:
     def add(self, name: str, value: float) -> None:
         self.values.setdefault(name, []).append(value)
 
-    def median(self, name: str) -> float | None:
-        found = self.values.get(name)
-        return float(statistics.median(found)) if found else None
-
     def mean(self, name: str) -> float | None:
         """The mean of the middle ``1 - 2 * TRIM`` of the samples: a makespan adds step costs up,
         so their mean is what counts, without the rare stalls that a median of runs drops anyway."""
@@ -71,13 +73,6 @@ class Samples:
 
     def count(self, name: str) -> int:
         return len(self.values.get(name, ()))
-
-
-def _counterpart_text(recv: MetaStep) -> str:
-    """The send step a receive step matches (SEND_F.s<s-1> for RECV_F.s<s>, SEND_B.s<s+1> for RECV_B.s<s>)."""
-    if recv.meta_type is _T.FWD_RECV:
-        return f"SEND_F.s{recv.stage_index - 1}.m{recv.micro_index}"
-    return f"SEND_B.s{recv.stage_index + 1}.m{recv.micro_index}"
 
 
 def collect(records: Sequence[dict[str, Any]], nominal_ms: Callable[[MetaStep], float], samples: Samples) -> None:
@@ -124,7 +119,7 @@ def _sample(rec: dict[str, Any], cost: float, waits: list[dict[str, Any]], sent:
             samples.add("recv_ms", cost)
         return  # RECV_META waits for its data inside: no sample
     step = MetaStep.from_str(text)
-    kind = _KIND_OF.get(step.meta_type)
+    kind = KIND_OF.get(step.meta_type)
     if kind is None or len(step.parts) != 1:
         return
     sleep = nominal_ms(step)
@@ -134,7 +129,10 @@ def _sample(rec: dict[str, Any], cost: float, waits: list[dict[str, Any]], sent:
     if len(waits) != 1:
         return
     wait = waits[0]
-    posted = sent.get(_counterpart_text(MetaStep.from_str(wait["step"])))
+    recv = MetaStep.from_str(wait["step"])
+    if recv.meta_type not in (_T.FWD_RECV, _T.BWD_RECV):
+        return
+    posted = sent.get(str(counterpart(recv)))
     if posted is None:
         return
     begin, finish = wait["start"] * 1e3, wait["end"] * 1e3
