@@ -27,6 +27,8 @@ import torch.distributed.pipelining as tpp
 from bench_common import LIBS, alternate, alternate_pairs, median
 
 import hyper_parallel as hp
+from hyper_parallel.platform.torch.sleep_stage import SleepStage
+from hyper_parallel.platform.torch.sleep_stage import squared_error as mse
 
 P = 4
 F_MS, B_MS, I_MS, W_MS = 10.0, 20.0, 10.0, 10.0
@@ -39,40 +41,6 @@ SCHEDULES = {  # name -> (chunks per rank, dx/dW split, V placement)
     "ScheduleZBVZeroBubble": (2, True, True),
     "ScheduleDualPipeV": (2, True, True),
 }
-
-
-class _Sleep(torch.autograd.Function):
-    """``x.clone()`` whose forward and backward each sleep a fixed time."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fwd_s: float, bwd_s: float) -> torch.Tensor:
-        ctx.bwd_s = bwd_s
-        if fwd_s:
-            time.sleep(fwd_s)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.bwd_s)
-        return grad, None, None
-
-
-class SleepStage(torch.nn.Module):
-    """``x * scale`` with the sleeps placed so that a dx/dW split costs I on the input side (the
-    backward of the output's sleep) and W on the weight side (the backward of the scale's sleep)."""
-
-    def __init__(self, width: int, f_s: float, i_s: float, w_s: float) -> None:
-        super().__init__()
-        self.scale = torch.nn.Parameter(torch.ones(width))
-        self.f_s, self.i_s, self.w_s = f_s, i_s, w_s
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = _Sleep.apply(self.scale, 0.0, self.w_s)
-        return _Sleep.apply(x * w, self.f_s, self.i_s)
-
-
-def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
 
 
 def stage_indices(name: str, rank: int, world: int) -> list[int]:
@@ -118,8 +86,8 @@ def _sleep_module(num_chunks: int, width: int = 16, split: bool = False, scale: 
     unit = scale / 1e3 / num_chunks  # ms of a rank's share -> s of one of its chunks
     def make(_index: int) -> torch.nn.Module:
         if split:
-            return SleepStage(width, F_MS * unit, I_MS * unit, W_MS * unit)
-        return SleepStage(width, F_MS * unit, B_MS / 2 * unit, B_MS / 2 * unit)
+            return SleepStage(F_MS * unit, I_MS * unit, W_MS * unit, width)
+        return SleepStage(F_MS * unit, B_MS / 2 * unit, B_MS / 2 * unit, width)
     return make
 
 
@@ -206,7 +174,7 @@ def p2p_job(m: int, rounds: int, big_width: int, scale: float = 1.0) -> dict:
     # The extra local compute of a 4 MiB micro-batch (forward + backward of the stage, no sleep).
     compute = {}
     for label, width in (("small", 16), ("big", big_width)):
-        module = SleepStage(width, 0.0, 0.0, 0.0)
+        module = SleepStage(0.0, 0.0, 0.0, width)
         x = torch.randn(1, width, requires_grad=True)
 
         def once(module: torch.nn.Module = module, x: torch.Tensor = x) -> float:

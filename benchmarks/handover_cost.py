@@ -74,10 +74,12 @@ def gaps_job(m: int = 16, steps: int = 5) -> dict[str, list[dict[str, list]]]:
 
     import bench_schedules
 
+    from hyper_parallel.platform.torch import sleep_stage
+
     events: list[tuple[str, float, float]] = []
     real_sleep = time.sleep
 
-    class _Clock:  # the sleep module's ``time``, timing each sleep
+    class _Clock:  # the sleep stage's ``time``, timing each sleep
         def __getattr__(self, name: str) -> Any:
             return getattr(time, name)
 
@@ -87,7 +89,7 @@ def gaps_job(m: int = 16, steps: int = 5) -> dict[str, list[dict[str, list]]]:
             events.append(("F" if forward[0] else "b", start, time.perf_counter()))  # B sleeps twice
 
     forward = [False]
-    original = bench_schedules._Sleep.forward
+    original = sleep_stage._SleepCopy.forward
 
     def forward_marked(ctx: Any, x: Any, fwd_s: float, bwd_s: float) -> Any:
         forward[0] = bool(fwd_s)
@@ -96,8 +98,8 @@ def gaps_job(m: int = 16, steps: int = 5) -> dict[str, list[dict[str, list]]]:
         finally:
             forward[0] = False
 
-    bench_schedules.time = _Clock()
-    bench_schedules._Sleep.forward = staticmethod(forward_marked)
+    sleep_stage.time = _Clock()
+    sleep_stage._SleepCopy.forward = staticmethod(forward_marked)
     libs = ("ours", "torch")
     run = {lib: bench_schedules.build(lib, "Schedule1F1B", bench_schedules._sleep_module(1), m, 1, 16)[1]
            for lib in libs}
