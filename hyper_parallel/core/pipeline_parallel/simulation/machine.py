@@ -77,6 +77,7 @@ def load_machine(path: str | os.PathLike[str]) -> Machine:
 
 
 def save_machine(machine: Machine, path: str | os.PathLike[str]) -> None:
+    """Write a machine file (the JSON `load_machine` reads)."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(machine.to_json(), f, indent=2)
         f.write("\n")
