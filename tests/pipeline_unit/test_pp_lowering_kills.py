@@ -28,10 +28,12 @@ def test_counterpart_refuses_compute_and_stageless_steps():
         counterpart(MetaStep(0, _T.FWD_SEND, None))
 
 
-def test_batch_prefetch_survives_the_stream_model_repair_by_hand():
-    # With prefetch the batch lowering first moves receives one compute early, then uncrosses the
-    # groups of both ranks; without the uncrossing the repair puts rank 1's RECV_F.s1.m1 back
-    # behind B.s1.m0 and the prefetch is lost (still valid, one beat slower).
+def test_batch_prefetch_lowers_by_levels_as_worked_out_by_hand():
+    # 1F1B, p = 2, m = 2. Levels (levels.py): +1 along a rank, +2 from another rank's maker.
+    # rank 0: F.s0.m0 0, F.s0.m1 1, B.s0.m0 5 (after B.s1.m0 at 3), B.s0.m1 7 (after B.s1.m1 at 5)
+    # rank 1: F.s1.m0 2, B.s1.m0 3, F.s1.m1 4, B.s1.m1 5
+    # boundary = consumer level - 1: F.s0.m0 1, F.s0.m1 3, G.s1.m0 4, G.s1.m1 6; each boundary goes
+    # before the rank's first step of its level or above, one batch per gap
     from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
     from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
     from hyper_parallel.core.pipeline_parallel.schedules import generate_1f1b
@@ -40,7 +42,7 @@ def test_batch_prefetch_survives_the_stream_model_repair_by_hand():
     placement = looped_placement(2, 1)
     lowered = lower(generate_1f1b(2, 2), placement, "batch", prefetch=True)
     assert {r: " ".join(map(str, s)) for r, s in lowered.items()} == {
-        0: "F.s0.m0 BATCH[SEND_F.s0.m0] F.s0.m1 BATCH[SEND_F.s0.m1+RECV_B.s0.m0+RECV_B.s0.m1] B.s0.m0 B.s0.m1",
+        0: "F.s0.m0 BATCH[SEND_F.s0.m0] F.s0.m1 BATCH[SEND_F.s0.m1+RECV_B.s0.m0] B.s0.m0 BATCH[RECV_B.s0.m1] B.s0.m1",
         1: "BATCH[RECV_F.s1.m0] F.s1.m0 BATCH[RECV_F.s1.m1] B.s1.m0 BATCH[SEND_B.s1.m0] F.s1.m1 B.s1.m1 "
         "BATCH[SEND_B.s1.m1]",
     }

@@ -34,6 +34,7 @@ from hyper_parallel.core.pipeline_parallel.schedules import (
 from hyper_parallel.core.pipeline_parallel.schedules.overlap_pairs import fuse_overlap_pairs
 from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 from hyper_parallel.core.pipeline_parallel.runtime.tracing import StepTracer
+from hyper_parallel.core.pipeline_parallel.lowering.rank_plan import plan_rank
 from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError, validate_lowered
 
 P2P_TRANSPORTS = ("auto", *TRANSPORTS)
@@ -192,7 +193,8 @@ class PipelineSchedule:
         self._by_index = {st.stage_index: st for st in self.stages}
         self.stage_to_rank = {s: self.group.ranks[r] for s, r in self.stage_to_pp_rank.items()}
         self.compute_schedule: Schedule = self._compute_schedule()
-        self._lowered_cache: dict[tuple[str, bool], dict[int, list[MetaStep]]] = {}
+        self._lowered_cache: dict[tuple[str, bool], dict[int, list[MetaStep]]] = {}  # what this rank runs
+        self._job_cache: dict[tuple[str, bool], dict[int, list[MetaStep]]] = {}  # every rank's (exec_order)
         self._custom: dict[MetaStepType, CustomFunction] = {}
         self._passes: list[LoweringPass] = []
         self._step_handlers: dict[MetaStepType, StepHandler] = {}
@@ -360,7 +362,32 @@ class PipelineSchedule:
         return lowered
 
     def _plan(self, metadata: str, forward_only: bool) -> dict[int, list[MetaStep]]:
-        """Lower, run the features' passes, validate (or reuse this process's plan of the same lists)."""
+        """The lowered, checked list this rank runs: without lowering passes, for ``plain`` on gloo's
+        eager engine and for ``batch`` with ``overlap_p2p``, this rank's alone, planned in time
+        linear in the job (``lowering/rank_plan.py``); else (or where that pass cannot prove the
+        plan) every rank's, as ``_plan_job`` makes them."""
+        engine = "eager" if self.platform.device_type == "cpu" else "stream"
+        plain = self.p2p_transport == "plain" and engine == "eager"
+        if (plain or self.p2p_transport == "batch" and self.overlap_p2p) and not self._passes:
+            compute = _forwards_only(self.compute_schedule) if forward_only else self.compute_schedule
+            own = plan_rank(compute, self.stage_to_pp_rank, self.pp_rank, self.micro_batch_num, self.p2p_transport,
+                            metadata=metadata, prefetch=self.overlap_p2p, forward_only=forward_only)
+            if own is not None:
+                return {self.pp_rank: own}
+        return self._job_lowered(metadata, forward_only)
+
+    def _job_lowered(self, metadata: str, forward_only: bool = False) -> dict[int, list[MetaStep]]:
+        key = (metadata, forward_only)
+        lowered = self._job_cache.get(key)
+        if lowered is None:
+            with paused_gc():
+                lowered = self._plan_job(metadata, forward_only)
+            self._job_cache[key] = lowered
+        return lowered
+
+    def _plan_job(self, metadata: str, forward_only: bool) -> dict[int, list[MetaStep]]:
+        """Lower every rank, run the features' passes, validate the whole job (or reuse this process's
+        plan of the same lists)."""
         compute = _forwards_only(self.compute_schedule) if forward_only else self.compute_schedule
         # the same plan in this process (another rank's thread, the same shape built again):
         # reused when its compute lists are equal to these (plan_cache.py)
@@ -405,6 +432,7 @@ class PipelineSchedule:
         if lowering_pass is not None:
             self._passes.append(lowering_pass)
             self._lowered_cache.clear()
+            self._job_cache.clear()
         self._step_handlers.update(handlers or {})
         if hook is not None:
             if hook_first:
@@ -416,7 +444,7 @@ class PipelineSchedule:
     @property
     def exec_order(self) -> dict[int, list[MetaStep | None]]:
         """The lowered step list of every pipeline rank that the next ``run`` executes."""
-        return {r: list(steps) for r, steps in self._lowered(self._training_metadata()).items()}
+        return {r: list(steps) for r, steps in self._job_lowered(self._training_metadata()).items()}
 
     def register_custom_function(self, step_type: MetaStepType, fn: CustomFunction) -> None:
         """Run ``fn(step, ctx)`` instead of the built-in behaviour for steps of ``step_type``."""

@@ -30,8 +30,12 @@ receives; then the metadata receives (the runtime waits for them); then the data
 With ``transport="batch"`` the data sends and receives issued together form one ``BATCH[...]``
 step. NCCL/HCCL run the groups of one rank one after another on one stream and a send there
 completes only when its receive is posted, so a receive posted too early can block a later
-group its own send needs: lowering checks the result in the job model (``job_model.py``,
-``"stream"``) and posts receives earlier, or moves prefetched ones back, until it finishes.
+group its own send needs. With ``prefetch`` (``overlap_p2p``, the default) the batch lists are
+made by ``levels.py`` instead of the rules above: each message travels at a boundary both ranks
+derive from the same numbering of the compute steps, which proves them free of deadlock and
+posts a receive before the compute step ahead of its consumer where the dependences allow.
+Without it, lowering checks the result in the job model (``job_model.py``, ``"stream"``) and
+posts receives earlier until it finishes.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule, consumer_stage, consumes, message_key, produces
 from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc
 from hyper_parallel.core.pipeline_parallel.lowering.job_model import note_finished, run_job
+from hyper_parallel.core.pipeline_parallel.lowering.levels import lower_by_levels
 
 TRANSPORTS = ("plain", "batch")
 METADATA = ("none", "first", "all")
@@ -137,6 +142,11 @@ def _lower(compute: Schedule, stage_to_rank: dict[int, int], transport: str, met
         raise ValueError(f"unknown transport {transport!r}; valid transports: {', '.join(TRANSPORTS)}")
     if metadata not in METADATA:
         raise ValueError(f"unknown metadata mode {metadata!r}; valid: {', '.join(METADATA)}")
+    if transport == "batch" and prefetch:  # boundaries by levels, free of deadlock by construction (levels.py)
+        by_levels = lower_by_levels(compute, stage_to_rank, metadata)
+        if by_levels is not None:
+            return by_levels
+        prefetch = False  # lists that cannot run: lowered without prefetch, for validation to say why
     plans = {r: _plan_rank(r, steps, stage_to_rank) for r, steps in sorted(compute.items())}
     for plan in plans.values():
         plan.eager = transport == "plain"
@@ -151,10 +161,6 @@ def _lower(compute: Schedule, stage_to_rank: dict[int, int], transport: str, met
         return _assemble_all(plans, _emit_plain)
     _uncross(plans)
     finished = _repair(plans, stage_to_rank)
-    if prefetch:  # again with the groups of the stream model: what each send's group waits for
-        _use_dependencies(plans, stage_to_rank, _emit_batch, "stream", prefetch, data_only=True)
-        _uncross(plans)
-        finished = _repair(plans, stage_to_rank)
     lowered = _assemble_all(plans, _emit_batch)
     if finished:  # the last run of the repairs ran these lists: validation need not run them again
         note_finished(lowered, stage_to_rank, "stream")
@@ -250,7 +256,6 @@ def _add_metadata(plans: dict[int, _RankPlan], metadata: str) -> None:
 
 def _use_dependencies(
     plans: dict[int, _RankPlan], stage_to_rank: dict[int, int], emit: _Emit, model: str, prefetch: bool,
-    data_only: bool = False,
 ) -> None:
     """Note what each receive's send depends on (in the job model, with the places so far): a gap
     issues its data sends before waiting for metadata that depends on them, and (``prefetch``) a
@@ -261,8 +266,6 @@ def _use_dependencies(
     position = {rank: k for k, rank in enumerate(outcome.ranks)}
     for rank, plan in plans.items():
         for recv in plan.recvs:
-            if data_only and recv.step.meta_type.is_meta:
-                continue
             recv.depends_on = outcome.send_clocks[message_key(recv.step)][position[rank]]
             if prefetch and not recv.needs_meta and not recv.step.meta_type.is_meta:
                 if recv.natural_gap - 1 > recv.depends_on:

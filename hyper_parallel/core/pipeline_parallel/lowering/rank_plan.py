@@ -1,0 +1,106 @@
+"""One rank's lowered, checked list for gloo's eager engine, in time linear in the job.
+
+``lower`` and ``validate_lowered`` work on the whole job: lowering runs the job model with vector
+clocks (one entry per rank) to find where a receive may be posted early, validation runs it again
+to prove the job finishes. Each is O(job x ranks) time and memory. A rank needs only its own
+list, and for the ``plain`` transport on the ``eager`` engine (gloo, LocalCluster) both answers
+follow from one pass over the compute lists:
+
+- **Freedom from deadlock.** In the eager engine a send never waits, so a rank waits only where
+  it consumes a value received from another rank (the compute step; a ``RECV_META`` that the
+  runtime waits for). Lowering puts every send right after the step that made its value, ahead of
+  any wait of that gap, and every wait no later than the step that needs it. So the lowered job
+  finishes exactly when the *compute* job, in which each step additionally waits for the values
+  whose metadata receive lowering put in its gap, finishes. ``Flow.run`` executes that job (each
+  compute step once, woken by the value it waits for: linear) and fails if any rank is stuck.
+- **What each send depends on** (where ``prefetch`` may post a receive one step early) is the
+  eager job model's clock entry of the receiving rank: the last compute step of that rank the
+  send's producer follows, through program order and the waits above. With one receiving rank
+  that is one number per step, carried along the same pass.
+- Everything else lowering needs for a rank (its sends and receives, metadata, FIFO numbering)
+  reads only its own and its neighbours' compute lists; ``plan_rank`` then runs the very code of
+  ``p2p.py`` on those, so the list is the one ``lower`` makes for that rank
+  (``tests/pipeline_unit/test_rank_plan.py`` compares them).
+
+The pass also checks the compute lists as ``validate_compute`` does (steps, placement, ranges,
+counts, order). The rank's lowered list is then checked against what the pass modelled
+(``_check_rank``). Anything the pass does not handle or refuses returns ``None``: the caller then
+lowers and validates the whole job as before, which reports the problem with the usual
+``ScheduleError`` (so errors are unchanged).
+"""
+
+from __future__ import annotations
+
+from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule, message_key
+from hyper_parallel.core.pipeline_parallel.lowering import levels, p2p, rank_checks
+from hyper_parallel.core.pipeline_parallel.lowering.flow import counts_complete, flow_of
+from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc
+
+_T = MetaStepType
+
+
+def plan_rank(
+    compute: Schedule,
+    stage_to_rank: dict[int, int],
+    rank: int,
+    num_microbatches: int,
+    transport: str = "plain",
+    *,
+    metadata: str = "none",
+    prefetch: bool = False,
+    forward_only: bool = False,
+) -> list[MetaStep] | None:
+    """``rank``'s list as ``lower(compute, stage_to_rank, transport, metadata=, prefetch=)[rank]``
+    makes it, checked as ``validate_lowered`` would check the whole job: for ``plain`` on gloo's
+    eager engine, for ``batch`` with ``prefetch`` (``levels.py``) on either engine. None where this
+    pass cannot prove it or does not apply (the caller lowers and validates the whole job then)."""
+    if metadata not in p2p.METADATA or rank not in compute or transport not in p2p.TRANSPORTS:
+        return None
+    if transport == "batch" and not prefetch:
+        return None
+    with paused_gc():
+        flow = flow_of(compute, stage_to_rank, num_microbatches, metadata if transport == "plain" else "none",
+                       forward_only)
+        if flow is None:
+            return None
+        if transport == "batch":
+            level = flow.run(None, levels=True)
+            if level is None or not counts_complete(level, len(stage_to_rank), num_microbatches, forward_only):
+                return None
+            own = levels.rank_list(flow, rank, level, metadata)
+            rank_checks.check_levels_list(own, rank, flow, level, metadata)
+            return own
+        made = flow.run(rank)
+        if made is None or not counts_complete(made, len(stage_to_rank), num_microbatches, forward_only):
+            return None
+        if prefetch and flow.meta_early != flow.meta_gap and flow.run(rank, "early") is None:
+            return None  # the strictest waits prefetch can make may not finish: the whole-job check decides
+        own = _lower_rank(compute, stage_to_rank, rank, metadata, prefetch, made)
+        rank_checks.check_plain_list(own, rank, flow)
+        return own
+
+
+def _lower_rank(compute: Schedule, stage_to_rank: dict[int, int], rank: int, metadata: str, prefetch: bool,
+                depends: dict[DataKey, int]) -> list[MetaStep]:
+    """``p2p._lower`` for the plain transport, on ``rank`` and the ranks it talks to only."""
+    peers = {stage_to_rank[s + d] for s, r in stage_to_rank.items() if r == rank for d in (-1, 1)
+             if s + d in stage_to_rank}
+    plans = {r: p2p._plan_rank(r, compute[r], stage_to_rank) for r in sorted(peers | {rank})}
+    for plan in plans.values():
+        plan.eager = True
+    p2p._add_metadata(plans, metadata)
+    p2p._number_fifo(plans)
+    plan = plans[rank]
+    for recv in plan.recvs:
+        recv.wanted_gap = recv.natural_gap
+        if not (prefetch or metadata != "none"):
+            continue
+        key = message_key(recv.step)
+        if key[0] == "M":
+            key = ("F", *key[1:])
+        recv.depends_on = depends[key]  # the eager clock of its send, at this rank's entry
+        if prefetch and not recv.needs_meta and not recv.step.meta_type.is_meta:
+            if recv.natural_gap - 1 > recv.depends_on:
+                recv.wanted_gap = recv.natural_gap - 1
+    p2p._place_recvs(plan)
+    return p2p._assemble(plan, p2p._emit_plain)

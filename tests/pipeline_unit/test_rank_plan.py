@@ -1,0 +1,191 @@
+"""Issue 22: one rank's plan for gloo's eager engine (``lowering/rank_plan.py``).
+
+- it is the very list ``lower(..., "plain")`` makes for that rank, over every library schedule,
+  small p, v, m, prefetch on and off, each metadata mode, training and forward-only;
+- it never accepts what the whole-job check refuses: over shuffled, cut and misplaced compute
+  lists, whenever ``plan_rank`` gives a list, whole-job lowering and ``validate_lowered`` accept
+  the job and give the same list; where it cannot prove a plan it says so (None) and the
+  schedule falls back to the whole-job check, whose error is unchanged;
+- its check of the rank's list refuses lists that differ from what it modelled.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_pp_lowering_oracle import OPTIONS, SCHEDULES, _compute, _configs
+
+from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.lowering import rank_checks
+from hyper_parallel.core.pipeline_parallel.lowering.flow import flow_of
+from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.lowering.rank_plan import plan_rank
+from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError, validate_lowered
+from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B, ScheduleInterleaved1F1B, _forwards_only
+
+T = MetaStepType
+
+
+@pytest.mark.parametrize("cls,chunks,fuse", SCHEDULES, ids=lambda x: getattr(x, "__name__", str(x)))
+def test_each_rank_gets_the_list_whole_job_lowering_gives_it(cls, chunks, fuse):
+    checked = 0
+    for p, v, m in _configs(cls, chunks):
+        compute, placement = _compute(cls, p, v, m, fuse)
+        for forward_only, prefetch, metadata in OPTIONS:
+            lists = _forwards_only(compute) if forward_only else compute
+            want = lower(lists, placement, "plain", metadata=metadata, prefetch=prefetch)
+            for rank in lists:
+                got = plan_rank(lists, placement, rank, m, metadata=metadata, prefetch=prefetch,
+                                forward_only=forward_only)
+                assert got == want[rank], (cls.__name__, p, v, m, metadata, prefetch, forward_only, rank)
+                checked += 1
+    assert checked >= 200
+
+
+def _mutated(compute, rng, num_micro):
+    """The lists with a step moved, dropped, doubled or given to the wrong rank or micro-batch."""
+    out = {rank: list(steps) for rank, steps in compute.items()}
+    rank = rng.choice(sorted(out))
+    steps = out[rank]
+    what = rng.choice(["move", "move", "move", "drop", "double", "rank", "micro", "swap_ranks"])
+    k = rng.randrange(len(steps))
+    if what == "move":
+        steps.insert(rng.randrange(len(steps)), steps.pop(k))
+    elif what == "drop":
+        steps.pop(k)
+    elif what == "double":
+        steps.insert(rng.randrange(len(steps)), steps[k])
+    elif what == "rank":
+        other = rng.choice(sorted(out))
+        out[other].insert(rng.randrange(len(out[other]) + 1), steps.pop(k))
+    elif what == "micro" and steps[k].micro_index is not None:
+        step = steps[k]
+        steps[k] = MetaStep(rng.choice([num_micro, step.micro_index ^ 1]), step.meta_type, step.stage_index)
+    else:
+        steps.insert(rng.randrange(len(steps)), steps.pop(k))
+        steps.insert(rng.randrange(len(steps)), steps.pop(rng.randrange(len(steps))))
+    return out
+
+
+def _whole_job(lists, placement, m, metadata, prefetch, forward_only):
+    """The whole-job plan as before, or the error it raises."""
+    try:
+        lowered = lower(lists, placement, "plain", metadata=metadata, prefetch=prefetch)
+        validate_lowered(lowered, placement, m, "plain", forward_only, engine="eager")
+    except ValueError as exc:
+        return exc
+    return lowered
+
+
+def test_it_never_accepts_what_the_whole_job_check_refuses():
+    rng = random.Random(2222)
+    accepted = refused = 0
+    cases = [(cls, p, chunks[-1], fuse) for cls, chunks, fuse in SCHEDULES for p in (2, 3, 4)]
+    for cls, p, v, fuse in cases:
+        m = max(cls.min_microbatches(p, v), p + 1)
+        compute, placement = _compute(cls, p, v, m, fuse)
+        for _ in range(12):
+            lists = _mutated(compute, rng, m)
+            if any(not steps for steps in lists.values()):
+                continue
+            metadata = rng.choice(["none", "first", "all"])
+            prefetch = rng.random() < 0.7
+            whole = _whole_job(lists, placement, m, metadata, prefetch, False)
+            for rank in lists:
+                got = plan_rank(lists, placement, rank, m, metadata=metadata, prefetch=prefetch)
+                if got is None:
+                    continue
+                assert not isinstance(whole, Exception), (cls.__name__, p, v, m, rank, str(whole).splitlines()[0])
+                assert got == whole[rank]
+                accepted += 1
+            refused += isinstance(whole, Exception)
+    assert accepted > 100 and refused > 100  # both sides were reached
+
+
+def test_a_cycle_across_ranks_is_left_to_the_whole_job_check():
+    # rank 0 runs B.s0.m0 before F.s0.m1 while rank 1 waits for F.s0.m1 first: a deadlock
+    placement = Schedule1F1B.stage_placement(2, 1)
+    compute = Schedule1F1B.generate(2, 1, 2)
+    compute[1] = [MetaStep(1, T.FWD, 1), MetaStep(0, T.FWD, 1), MetaStep(0, T.BWD, 1), MetaStep(1, T.BWD, 1)]
+    compute[0] = [MetaStep(0, T.FWD, 0), MetaStep(0, T.BWD, 0), MetaStep(1, T.FWD, 0), MetaStep(1, T.BWD, 0)]
+    for rank in (0, 1):
+        assert plan_rank(compute, placement, rank, 2, metadata="first", prefetch=True) is None
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate_lowered(lower(compute, placement, "plain", metadata="first", prefetch=True), placement, 2, "plain")
+
+
+def _flow_and_list(rank=1, cls=ScheduleInterleaved1F1B, p=3, v=2, m=6, metadata="first"):
+    compute, placement = cls.generate(p, v, m), cls.stage_placement(p, v)
+    flow = flow_of(compute, placement, m, metadata, False)
+    own = plan_rank(compute, placement, rank, m, metadata=metadata, prefetch=True)
+    rank_checks.check_plain_list(own, rank, flow)  # the list as made passes
+    return flow, own
+
+
+def _index(steps, text):
+    return next(k for k, step in enumerate(steps) if str(step) == text)
+
+
+def _moved(steps, text, to):
+    out = list(steps)
+    out.insert(to, out.pop(_index(out, text)))
+    return out
+
+
+@pytest.mark.parametrize("change", [
+    "drop a receive", "drop a send", "doubled receive", "send a step late", "data send after a shapes wait",
+    "receives out of their sender's order", "receive after its consumer", "shapes after their data",
+    "shapes wait moved", "a stranger's step"])
+def test_the_rank_check_refuses_lists_other_than_the_modelled_one(change):
+    flow, own = _flow_and_list()
+    recv = next(s for s in own if s.meta_type is T.FWD_RECV and str(s) != "RECV_F.s1.m0")
+    send = next(s for s in own if s.meta_type is T.FWD_SEND)
+    if change == "drop a receive":
+        bad = [s for s in own if s is not recv]
+    elif change == "drop a send":
+        bad = [s for s in own if s is not send]
+    elif change == "doubled receive":
+        bad = own[:] + [recv]
+    elif change == "send a step late":
+        k = own.index(send)
+        nxt = next(j for j in range(k + 1, len(own)) if own[j].meta_type.is_compute)
+        bad = _moved(own, str(send), nxt)
+    elif change == "data send after a shapes wait":
+        # F.s1.m2's send after the wait for RECV_META.s4.m0's shapes, in the same gap
+        assert _index(own, "SEND_F.s1.m2") + 1 == _index(own, "RECV_META.s4.m0")
+        bad = _moved(own, "SEND_F.s1.m2", _index(own, "RECV_META.s4.m0"))
+    elif change == "receives out of their sender's order":
+        first = _index(own, "RECV_F.s1.m1")
+        bad = _moved(own, "RECV_F.s1.m2", first)
+    elif change == "receive after its consumer":
+        bad = _moved(own, "RECV_F.s1.m2", _index(own, "F.s1.m2") + 1)
+    elif change == "shapes after their data":
+        bad = _moved(own, "RECV_META.s1.m0", _index(own, "RECV_F.s1.m0") + 1)
+    elif change == "shapes wait moved":
+        bad = _moved(own, "RECV_META.s4.m0", 0)  # a wait three steps earlier than lowering puts it
+    else:
+        bad = own[:1] + [MetaStep(0, T.FWD_RECV, 3)] + own[1:]
+    with pytest.raises(ScheduleError, match="lowering of rank 1"):
+        rank_checks.check_plain_list(bad, 1, flow)
+
+
+def test_the_schedule_plans_only_its_own_rank_on_gloo_and_exec_order_stays_whole():
+    import torch
+
+    from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
+    from hyper_parallel.platform import get_platform
+    from hyper_parallel.platform.local import LocalCluster
+
+    def body():
+        rank = get_platform().rank
+        stages = [PipelineStage(torch.nn.Linear(2, 2), rank + 2 * c, 4) for c in range(2)]
+        schedule = ScheduleInterleaved1F1B(stages, 4)  # plain, overlap_p2p: the defaults on CPU
+        planned = schedule._lowered(schedule._training_metadata())
+        return sorted(planned), dict(schedule._job_cache), schedule.exec_order, planned[rank]
+
+    compute, placement = ScheduleInterleaved1F1B.generate(2, 2, 4), ScheduleInterleaved1F1B.stage_placement(2, 2)
+    whole = lower(compute, placement, "plain", metadata="first", prefetch=True)
+    for rank, (planned, job_cache_at_build, exec_order, own) in enumerate(LocalCluster(2, platform="torch").run(body)):
+        assert planned == [rank] and job_cache_at_build == {}  # built without the whole job
+        assert exec_order == whole and own == whole[rank]
