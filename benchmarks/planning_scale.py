@@ -1,18 +1,22 @@
 """What one rank pays to plan a schedule at cluster scale: ours against torch.distributed.pipelining.
 
 Planning is what a schedule's constructor does before any communication: ours generates the
-compute lists of every rank, lowers them (the schedule defaults: ``overlap_p2p=True`` so
-prefetch, metadata for the first micro-batch) and validates the whole job, for the ``plain``
-transport (gloo's eager engine) and for ``batch`` (the stream engine of NCCL/HCCL); torch's
-constructor computes every rank's actions and adds its communication steps. Each figure is the
-CPU time of one build in a fresh process (nothing reused from an earlier build), the smallest
-of ``--rounds``; ``peak MiB`` is how much the process's peak resident memory grew while planning.
-The growth columns divide the time at 2m by the time at m (near-linear: about 2).
+compute lists of every rank and plans that rank's list with the defaults (``overlap_p2p=True``,
+metadata for the first micro-batch): for ``plain`` (gloo's eager engine) and ``batch`` (the
+stream engine of NCCL/HCCL) a pass linear in the job plans and checks the rank's own list
+(``lowering/rank_plan.py``); ``ScheduleMPipeTranspose``, whose own lowering pass places its
+preprocess steps by simulating the whole job, lowers, places and validates every rank's lists
+(``plain``: it runs on the eager engines only). Torch's constructor computes every rank's actions
+and adds its communication steps. Each figure is the CPU time of one build for a middle rank in a
+fresh process (nothing reused from an earlier build), the smallest of ``--rounds``; ``peak MiB``
+is how much the process's peak resident memory grew while planning. The growth columns divide
+the time at 2m by the time at m (near-linear: about 2).
 
     .venv/bin/python benchmarks/planning_scale.py [--smoke] [--rounds 1] [--out PATH] [--timeout 600]
 
 Writes benchmarks/results/planning_scale.md (and ``--json``) and prints it; ``bench.py --only
-planning`` runs it as a section of ``make bench``.
+planning`` runs it as a section of ``make bench``. ``--lib DIR`` plans with another checkout's
+library (one from before the per-rank planning lowers and validates the whole job).
 """
 
 from __future__ import annotations
@@ -35,20 +39,24 @@ from bench_common import write_result  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results", "planning_scale.md")
 # (our class, torch's class or None, p, v, m); growth rows add the same with 2m
-FULL_ROWS = [
+FULL_ROWS = [  # the sizes issue 22 was filed with, then the largest of every schedule (p = 64, v <= 4, m = 1024)
     ("Schedule1F1B", "Schedule1F1B", 32, 1, 256),
     ("ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", 16, 4, 128),
     ("ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", 32, 4, 512),
     ("ScheduleZBVZeroBubble", "ScheduleZBVZeroBubble", 16, 2, 128),
+    ("ScheduleGPipe", "ScheduleGPipe", 64, 1, 1024),
     ("Schedule1F1B", "Schedule1F1B", 64, 1, 1024),
-    ("ScheduleGPipe", "ScheduleGPipe", 16, 1, 128),
-    ("ScheduleLoopedBFS", "ScheduleLoopedBFS", 16, 2, 128),
-    ("ScheduleInterleavedZeroBubble", "ScheduleInterleavedZeroBubble", 16, 2, 128),
-    ("ScheduleDualPipeV", "ScheduleDualPipeV", 16, 2, 128),
+    ("ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", 64, 4, 1024),
+    ("ScheduleLoopedBFS", "ScheduleLoopedBFS", 64, 4, 1024),
+    ("ScheduleInterleavedZeroBubble", "ScheduleInterleavedZeroBubble", 64, 4, 1024),
+    ("ScheduleZBVZeroBubble", "ScheduleZBVZeroBubble", 64, 2, 1024),
+    ("ScheduleDualPipeV", "ScheduleDualPipeV", 64, 2, 1024),
+    ("ScheduleMPipeTranspose", None, 16, 1, 128),
 ]
-FULL_GROWTH = [("Schedule1F1B", 16, 1, 64), ("ScheduleInterleaved1F1B", 8, 4, 64), ("ScheduleZBVZeroBubble", 8, 2, 64)]
+FULL_GROWTH = [("Schedule1F1B", 64, 1, 512), ("ScheduleInterleaved1F1B", 64, 4, 512), ("ScheduleZBVZeroBubble", 64, 2, 512),
+               ("ScheduleDualPipeV", 64, 2, 512)]
 SMOKE_ROWS = [("Schedule1F1B", "Schedule1F1B", 2, 1, 4), ("ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", 2, 2, 4),
-              ("ScheduleDualPipeV", None, 2, 2, 8)]
+              ("ScheduleDualPipeV", None, 2, 2, 8), ("ScheduleMPipeTranspose", None, 2, 1, 4)]
 SMOKE_GROWTH = [("Schedule1F1B", 2, 1, 4)]
 TRANSPORTS = ("plain", "batch")
 ENGINES = {"plain": "eager", "batch": "stream"}  # gloo / LocalCluster vs NCCL / HCCL
@@ -59,27 +67,53 @@ def _peak_kib() -> int:
 
 
 def plan_ours(name: str, p: int, v: int, m: int, transport: str) -> dict[str, Any]:
-    """One build of our plan in this process, as a schedule's constructor does it."""
+    """One build of our plan in this process, for a middle rank, as a schedule's constructor does it."""
     import contextlib
 
     import hyper_parallel.core.pipeline_parallel as pp
-    from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
-    from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_lowered
 
     try:
         from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc
     except ImportError:  # --lib: a version from before the pause
         paused_gc = contextlib.nullcontext
     cls = getattr(pp, name)
+    mpipe = name == "ScheduleMPipeTranspose"
+    if mpipe and transport != "plain":
+        return {"seconds": None, "peak_mib": None, "error": "plain only"}
     before = _peak_kib()
     start = time.process_time()
     with paused_gc():
         compute = cls.generate(p, v, m)
         placement = cls.stage_placement(p, v)
-        lowered = lower(compute, placement, transport, metadata="first", prefetch=True)
-        validate_lowered(lowered, placement, m, transport, False, engine=ENGINES[transport])
+        own = None if mpipe else _plan_rank(compute, placement, p // 2, m, transport)
+        if own is None:
+            _plan_job(compute, placement, p, m, transport, mpipe)
     seconds = time.process_time() - start
-    return {"seconds": seconds, "peak_mib": (_peak_kib() - before) / 1024}
+    return {"seconds": seconds, "peak_mib": (_peak_kib() - before) / 1024, "whole_job": own is None}
+
+
+def _plan_rank(compute: Any, placement: dict[int, int], rank: int, m: int, transport: str) -> Any:
+    try:
+        from hyper_parallel.core.pipeline_parallel.lowering.rank_plan import plan_rank
+    except ImportError:  # --lib: a version that plans the whole job
+        return None
+    return plan_rank(compute, placement, rank, m, transport, metadata="first", prefetch=True)
+
+
+def _plan_job(compute: Any, placement: dict[int, int], p: int, m: int, transport: str, mpipe: bool) -> None:
+    """Lower, (MPipe: place its steps the way its lowering pass does,) validate the whole job."""
+    from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+    from hyper_parallel.core.pipeline_parallel.lowering.validate import validate_lowered
+
+    lowered = lower(compute, placement, transport, metadata="first", prefetch=True)
+    if mpipe:
+        from hyper_parallel.core.pipeline_parallel.features.mpipe.model import check_mpipe, place_mpipe_steps
+        from hyper_parallel.core.pipeline_parallel.features.mpipe.plan import MPipePlan
+
+        plan = MPipePlan(p, m, "full", True, True, "recompute")
+        lowered = place_mpipe_steps(lowered, placement, plan)
+        check_mpipe(lowered, placement, plan)
+    validate_lowered(lowered, placement, m, transport, False, engine=ENGINES[transport])
 
 
 def _torch_stage(p: int, v: int, rank: int, chunk: int, v_shape: bool) -> Any:
@@ -160,7 +194,7 @@ def _s(result: dict[str, Any] | None, key: str = "seconds") -> str:
 
 def _target(row: dict[str, Any]) -> str:
     limit = max(1.0, row["torch"]["seconds"] if row["torch"] and row["torch"].get("seconds") else 0.0)
-    times = [row[t]["seconds"] for t in TRANSPORTS]
+    times = [row[t]["seconds"] for t in TRANSPORTS if row[t].get("error") != "plain only"]
     if any(t is None for t in times):
         return "**no**"
     return "yes" if max(times) <= limit else "**no**"
@@ -170,15 +204,17 @@ def lines(results: dict[str, Any], smoke: bool) -> list[str]:
     """The markdown tables of ``measure``'s results."""
     out = ["# Planning at scale: one rank's schedule construction, ours vs torch.distributed.pipelining", "",
            f"Written by `benchmarks/planning_scale.py`{' --smoke (figures mean nothing)' if smoke else ''}; CPU "
-           f"seconds of one build in a fresh process, best of {results['rounds']}; ours with the defaults "
-           "(prefetch, metadata for the first micro-batch), `plain` validated for gloo's eager engine, `batch` for "
-           "the stream engine of NCCL/HCCL. Target: ours <= max(torch, 1 s).", "",
+           f"seconds of one build (a middle rank's) in a fresh process, best of {results['rounds']}; ours with the "
+           "defaults (prefetch, metadata for the first micro-batch), `plain` checked for gloo's eager engine, `batch` "
+           "for the stream engine of NCCL/HCCL; `planned`: the rank's own list, or every rank's (MPipe's pass). "
+           "Target: ours <= max(torch, 1 s).", "",
            "| schedule | p | v | m | torch (s) | ours plain (s) | ours batch (s) | plain peak MiB | batch peak MiB "
-           "| target met |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "| planned | target met |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
+        whole = any(row[t].get("whole_job") for t in TRANSPORTS)
         out.append(f"| {row['schedule']} | {row['p']} | {row['v']} | {row['m']} | {_s(row['torch'])} | "
                    f"{_s(row['plain'])} | {_s(row['batch'])} | {_s(row['plain'], 'peak_mib')} | "
-                   f"{_s(row['batch'], 'peak_mib')} | {_target(row)} |")
+                   f"{_s(row['batch'], 'peak_mib')} | {'whole job' if whole else 'its rank'} | {_target(row)} |")
     out += ["", "Growth with m (ours): time at 2m / time at m.", "",
             "| schedule | p | v | m -> 2m | plain (s) | plain growth | batch (s) | batch growth |",
             "|---|---|---|---|---|---|---|---|"]

@@ -1,7 +1,9 @@
 """Issue 22: one rank's plan for gloo's eager engine (``lowering/rank_plan.py``).
 
 - it is the very list ``lower(..., "plain")`` makes for that rank, over every library schedule,
-  small p, v, m, prefetch on and off, each metadata mode, training and forward-only;
+  small p, v, m, prefetch on and off, each metadata mode, training and forward-only; for
+  ``batch`` with prefetch, the list of ``lower``'s levels lowering (``levels.py``), which
+  ``validate_lowered`` accepts on both engines;
 - it never accepts what the whole-job check refuses: over shuffled, cut and misplaced compute
   lists, whenever ``plan_rank`` gives a list, whole-job lowering and ``validate_lowered`` accept
   the job and give the same list; where it cannot prove a plan it says so (None) and the
@@ -43,6 +45,30 @@ def test_each_rank_gets_the_list_whole_job_lowering_gives_it(cls, chunks, fuse):
     assert checked >= 200
 
 
+@pytest.mark.parametrize("cls,chunks,fuse", SCHEDULES, ids=lambda x: getattr(x, "__name__", str(x)))
+def test_batch_with_prefetch_each_rank_gets_its_list_of_the_levels_lowering(cls, chunks, fuse):
+    checked = 0
+    for p, v, m in _configs(cls, chunks):
+        compute, placement = _compute(cls, p, v, m, fuse)
+        for forward_only, _, metadata in OPTIONS:
+            lists = _forwards_only(compute) if forward_only else compute
+            want = lower(lists, placement, "batch", metadata=metadata, prefetch=True)
+            for engine in ("stream", "eager"):
+                validate_lowered(want, placement, m, "batch", forward_only, engine=engine)
+            for rank in lists:
+                got = plan_rank(lists, placement, rank, m, "batch", metadata=metadata, prefetch=True,
+                                forward_only=forward_only)
+                assert got == want[rank], (cls.__name__, p, v, m, metadata, forward_only, rank)
+                checked += 1
+    assert checked >= 200
+
+
+def test_batch_without_prefetch_is_left_to_the_whole_job():
+    compute, placement = Schedule1F1B.generate(3, 1, 4), Schedule1F1B.stage_placement(3, 1)
+    assert plan_rank(compute, placement, 0, 4, "batch", metadata="first", prefetch=False) is None
+    assert plan_rank(compute, placement, 0, 4, "nccl", metadata="first", prefetch=True) is None
+
+
 def _mutated(compute, rng, num_micro):
     """The lists with a step moved, dropped, doubled or given to the wrong rank or micro-batch."""
     out = {rank: list(steps) for rank, steps in compute.items()}
@@ -68,17 +94,19 @@ def _mutated(compute, rng, num_micro):
     return out
 
 
-def _whole_job(lists, placement, m, metadata, prefetch, forward_only):
-    """The whole-job plan as before, or the error it raises."""
+def _whole_job(lists, placement, m, metadata, prefetch, forward_only, transport="plain"):
+    """The whole-job plan as before, or the error it raises (batch: checked on both engines)."""
     try:
-        lowered = lower(lists, placement, "plain", metadata=metadata, prefetch=prefetch)
-        validate_lowered(lowered, placement, m, "plain", forward_only, engine="eager")
+        lowered = lower(lists, placement, transport, metadata=metadata, prefetch=prefetch)
+        for engine in ("eager",) if transport == "plain" else ("stream", "eager"):
+            validate_lowered(lowered, placement, m, transport, forward_only, engine=engine)
     except ValueError as exc:
         return exc
     return lowered
 
 
-def test_it_never_accepts_what_the_whole_job_check_refuses():
+@pytest.mark.parametrize("transport", ["plain", "batch"])
+def test_it_never_accepts_what_the_whole_job_check_refuses(transport):
     rng = random.Random(2222)
     accepted = refused = 0
     cases = [(cls, p, chunks[-1], fuse) for cls, chunks, fuse in SCHEDULES for p in (2, 3, 4)]
@@ -90,10 +118,10 @@ def test_it_never_accepts_what_the_whole_job_check_refuses():
             if any(not steps for steps in lists.values()):
                 continue
             metadata = rng.choice(["none", "first", "all"])
-            prefetch = rng.random() < 0.7
-            whole = _whole_job(lists, placement, m, metadata, prefetch, False)
+            prefetch = rng.random() < 0.7 or transport == "batch"
+            whole = _whole_job(lists, placement, m, metadata, prefetch, False, transport)
             for rank in lists:
-                got = plan_rank(lists, placement, rank, m, metadata=metadata, prefetch=prefetch)
+                got = plan_rank(lists, placement, rank, m, transport, metadata=metadata, prefetch=prefetch)
                 if got is None:
                     continue
                 assert not isinstance(whole, Exception), (cls.__name__, p, v, m, rank, str(whole).splitlines()[0])
@@ -189,3 +217,40 @@ def test_the_schedule_plans_only_its_own_rank_on_gloo_and_exec_order_stays_whole
     for rank, (planned, job_cache_at_build, exec_order, own) in enumerate(LocalCluster(2, platform="torch").run(body)):
         assert planned == [rank] and job_cache_at_build == {}  # built without the whole job
         assert exec_order == whole and own == whole[rank]
+
+
+_BATCH_CHANGES = {  # what a broken batch lowering of rank 1 (ScheduleInterleaved1F1B, p=3, v=2, m=6) could give
+    "drop a receive": ("BATCH[RECV_F.s1.m0+RECV_F.s1.m1]", "BATCH[RECV_F.s1.m1]"),
+    "drop a send": (" BATCH[SEND_F.s1.m1] ", " "),
+    "send before its maker": ("F.s1.m1 BATCH[SEND_F.s1.m1]", "BATCH[SEND_F.s1.m1] F.s1.m1"),
+    "batches out of order": ("F.s1.m1 BATCH[SEND_F.s1.m1] F.s1.m2 BATCH[SEND_F.s1.m2]",
+                             "F.s1.m1 F.s1.m2 BATCH[SEND_F.s1.m2] BATCH[SEND_F.s1.m1]"),
+    "batch after a step of its level": ("BATCH[SEND_F.s4.m0+RECV_F.s4.m2] F.s4.m1",
+                                        "F.s4.m1 BATCH[SEND_F.s4.m0+RECV_F.s4.m2]"),
+    "shapes after their batch": ("RECV_META.s4.m0 BATCH[RECV_F.s4.m0+RECV_F.s4.m1]",
+                                 "BATCH[RECV_F.s4.m0+RECV_F.s4.m1] RECV_META.s4.m0"),
+    "shapes sent after the data": ("SEND_META.s1.m0 BATCH[SEND_F.s1.m0+RECV_F.s1.m2]",
+                                   "BATCH[SEND_F.s1.m0+RECV_F.s1.m2] SEND_META.s1.m0"),
+    "a wait for shapes before an earlier step": ("F.s1.m2 BATCH[SEND_F.s1.m2] RECV_META.s4.m0",
+                                                 "RECV_META.s4.m0 F.s1.m2 BATCH[SEND_F.s1.m2]"),
+    "receives of a channel swapped": ("BATCH[RECV_F.s1.m0+RECV_F.s1.m1]", "BATCH[RECV_F.s1.m1+RECV_F.s1.m0]"),
+    "compute steps swapped": ("F.s1.m1 BATCH[SEND_F.s1.m1] F.s1.m2", "F.s1.m2 BATCH[SEND_F.s1.m1] F.s1.m1"),
+    "a stranger's receive": ("BATCH[SEND_F.s1.m1]", "BATCH[SEND_F.s1.m1+RECV_F.s3.m0]"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(_BATCH_CHANGES))
+def test_the_batch_rank_check_refuses_lists_other_than_the_levels_shape(change):
+    from hyper_parallel.core.pipeline_parallel.lowering.levels import rank_list
+
+    compute, placement = ScheduleInterleaved1F1B.generate(3, 2, 6), ScheduleInterleaved1F1B.stage_placement(3, 2)
+    flow = flow_of(compute, placement, 6, "none", False)
+    level = flow.run(None, levels=True)
+    own = rank_list(flow, 1, level, "first")
+    rank_checks.check_levels_list(own, 1, flow, level, "first")  # the list as made passes
+    text = " " + " ".join(map(str, own)) + " "
+    old, new = _BATCH_CHANGES[change]
+    assert text.count(old) == 1, change
+    bad = [MetaStep.from_str(cell) for cell in text.replace(old, new).split()]
+    with pytest.raises(ScheduleError, match="lowering of rank 1"):
+        rank_checks.check_levels_list(bad, 1, flow, level, "first")

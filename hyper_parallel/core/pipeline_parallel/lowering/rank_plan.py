@@ -1,31 +1,29 @@
-"""One rank's lowered, checked list for gloo's eager engine, in time linear in the job.
+"""One rank's lowered, checked list, in time linear in the job.
 
 ``lower`` and ``validate_lowered`` work on the whole job: lowering runs the job model with vector
-clocks (one entry per rank) to find where a receive may be posted early, validation runs it again
-to prove the job finishes. Each is O(job x ranks) time and memory. A rank needs only its own
-list, and for the ``plain`` transport on the ``eager`` engine (gloo, LocalCluster) both answers
-follow from one pass over the compute lists:
+clocks (one entry per rank) to find where a receive may be posted early, validation runs it
+again to prove the job finishes; each is O(job x ranks) in time and memory. A rank needs only its
+own list, and two of the lowerings follow from one pass over the compute lists (``flow.py``):
 
-- **Freedom from deadlock.** In the eager engine a send never waits, so a rank waits only where
-  it consumes a value received from another rank (the compute step; a ``RECV_META`` that the
-  runtime waits for). Lowering puts every send right after the step that made its value, ahead of
-  any wait of that gap, and every wait no later than the step that needs it. So the lowered job
-  finishes exactly when the *compute* job, in which each step additionally waits for the values
-  whose metadata receive lowering put in its gap, finishes. ``Flow.run`` executes that job (each
-  compute step once, woken by the value it waits for: linear) and fails if any rank is stuck.
-- **What each send depends on** (where ``prefetch`` may post a receive one step early) is the
-  eager job model's clock entry of the receiving rank: the last compute step of that rank the
-  send's producer follows, through program order and the waits above. With one receiving rank
-  that is one number per step, carried along the same pass.
-- Everything else lowering needs for a rank (its sends and receives, metadata, FIFO numbering)
-  reads only its own and its neighbours' compute lists; ``plan_rank`` then runs the very code of
-  ``p2p.py`` on those, so the list is the one ``lower`` makes for that rank
-  (``tests/pipeline_unit/test_rank_plan.py`` compares them).
+- ``plain`` on gloo's eager engine. A send never waits there, so a rank waits only where it
+  consumes a value received from another rank (the compute step; a ``RECV_META`` the runtime
+  waits for). Lowering puts every send right after the step that made its value, ahead of any
+  wait of that gap, and every wait no later than the step that needs it. So the lowered job
+  finishes exactly when the compute job finishes in which each step also waits for the values
+  whose ``RECV_META`` lowering put in its gap; ``Flow.run`` executes that job (with the waits
+  where prefetch may pull them at the earliest, the strictest case, when they differ) or finds it
+  stuck. Where prefetch may post a receive early is the eager job model's clock entry of the
+  receiving rank (the last compute step of that rank the send follows): one number per value,
+  carried along the same pass. The rest (sends, receives, metadata, FIFO numbering) reads only
+  the rank's and its neighbours' compute lists, so ``plan_rank`` runs ``p2p.py``'s own code on
+  those: the list is the one ``lower`` makes for that rank.
+- ``batch`` with ``prefetch`` (NCCL/HCCL, or gloo): ``levels.py``, free of deadlock by
+  construction; its lists are ``lower``'s for the same options.
 
-The pass also checks the compute lists as ``validate_compute`` does (steps, placement, ranges,
-counts, order). The rank's lowered list is then checked against what the pass modelled
-(``_check_rank``). Anything the pass does not handle or refuses returns ``None``: the caller then
-lowers and validates the whole job as before, which reports the problem with the usual
+The pass checks the compute lists as ``validate_compute`` does (step kinds, placement, ranges,
+each value made once, counts, order); the rank's list is then checked against what was modelled
+(``rank_checks.py``). Anything the pass does not handle or cannot prove returns ``None``: the
+caller lowers and validates the whole job as before, which reports the problem with the usual
 ``ScheduleError`` (so errors are unchanged).
 """
 
