@@ -198,7 +198,8 @@ def test_the_rank_check_refuses_lists_other_than_the_modelled_one(change):
         rank_checks.check_plain_list(bad, 1, flow)
 
 
-def test_the_schedule_plans_only_its_own_rank_on_gloo_and_exec_order_stays_whole():
+@pytest.mark.parametrize("transport", ["plain", "batch"])
+def test_the_schedule_plans_only_its_own_rank_and_exec_order_stays_whole(transport):
     import torch
 
     from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
@@ -208,12 +209,12 @@ def test_the_schedule_plans_only_its_own_rank_on_gloo_and_exec_order_stays_whole
     def body():
         rank = get_platform().rank
         stages = [PipelineStage(torch.nn.Linear(2, 2), rank + 2 * c, 4) for c in range(2)]
-        schedule = ScheduleInterleaved1F1B(stages, 4)  # plain, overlap_p2p: the defaults on CPU
+        schedule = ScheduleInterleaved1F1B(stages, 4, p2p_transport=transport)  # overlap_p2p: the default
         planned = schedule._lowered(schedule._training_metadata())
         return sorted(planned), dict(schedule._job_cache), schedule.exec_order, planned[rank]
 
     compute, placement = ScheduleInterleaved1F1B.generate(2, 2, 4), ScheduleInterleaved1F1B.stage_placement(2, 2)
-    whole = lower(compute, placement, "plain", metadata="first", prefetch=True)
+    whole = lower(compute, placement, transport, metadata="first", prefetch=True)
     for rank, (planned, job_cache_at_build, exec_order, own) in enumerate(LocalCluster(2, platform="torch").run(body)):
         assert planned == [rank] and job_cache_at_build == {}  # built without the whole job
         assert exec_order == whole and own == whole[rank]

@@ -10,6 +10,7 @@ an eager clock entry of one rank (``rank_plan.py``) or the step's level (``level
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import accumulate
 from dataclasses import dataclass, field
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule
@@ -96,20 +97,26 @@ def read_flow(compute: Schedule, stage_to_rank: dict[int, int], num_micro: int, 
         return None
     flow = Flow(stage_to_rank, {}, {}, {})
     owner = stage_to_rank
+    natural = flow.natural
+    # per stage: the channel list its forward output / input gradient goes to (None: same rank or none)
+    ahead = [flow.channels[(owner[s], owner[s + 1])] if s + 1 < num_stages and owner[s + 1] != owner[s] else None
+             for s in range(num_stages)]
+    behind = [flow.channels[(owner[s], owner[s - 1])] if s > 0 and owner[s - 1] != owner[s] else None
+              for s in range(num_stages)]
+    fwd, bwd, bwd_input, bwd_weight = _T.FWD, _T.BWD, _T.BWD_INPUT, _T.BWD_WEIGHT
+    last = num_stages - 1
     for q in sorted(compute):
         items = [step for step in compute[q] if step is not None]
         needs: list[list[DataKey]] = []
         makes: list[list[DataKey]] = []
         for k, step in enumerate(items):
             kind = step.meta_type
-            if not kind.is_compute:
-                return None
             if kind.is_overlap:
                 parts = step.sub_steps or ()
-                if len(parts) != 2 or sum(part.meta_type is _T.FWD for part in parts) != 1 or not any(
-                        part.meta_type in (*_BACKWARD, _T.BWD_WEIGHT) for part in parts):
+                if len(parts) != 2 or sum(part.meta_type is fwd for part in parts) != 1 or not any(
+                        part.meta_type in (bwd, bwd_input, bwd_weight) for part in parts):
                     return None
-            elif step.sub_steps:
+            elif step.sub_steps or not kind.is_compute:
                 return None
             else:
                 parts = (step,)
@@ -119,30 +126,32 @@ def read_flow(compute: Schedule, stage_to_rank: dict[int, int], num_micro: int, 
                 s, i, pk = part.stage_index, part.micro_index, part.meta_type
                 if owner.get(s) != q or type(i) is not int or not 0 <= i < num_micro:
                     return None
-                if pk is _T.FWD:
+                if pk is fwd:
                     if s > 0:
                         key = ("F", s - 1, i)
                         wait.append(key)
-                        if owner[s - 1] != q:
-                            flow.natural[key] = k
-                    make.append(("F", s, i))
-                    if s + 1 < num_stages and owner[s + 1] != q:
-                        flow.channels[(q, owner[s + 1])].append(("F", s, i))
-                elif pk in _BACKWARD:
+                        if behind[s] is not None:
+                            natural[key] = k
+                    key = ("F", s, i)
+                    make.append(key)
+                    if ahead[s] is not None:
+                        ahead[s].append(key)
+                elif pk is bwd or pk is bwd_input:
                     if forward_only:
                         return None
                     wait.append(("F", s, i))
-                    if s + 1 < num_stages:
+                    if s < last:
                         key = ("G", s + 1, i)
                         wait.append(key)
-                        if owner[s + 1] != q:
-                            flow.natural[key] = k
-                    make.append(("G", s, i))
-                    if pk is _T.BWD:
+                        if ahead[s] is not None:
+                            natural[key] = k
+                    key = ("G", s, i)
+                    make.append(key)
+                    if pk is bwd:
                         make.append(("W", s, i))
-                    if s > 0 and owner[s - 1] != q:
-                        flow.channels[(q, owner[s - 1])].append(("G", s, i))
-                elif pk is _T.BWD_WEIGHT:
+                    if behind[s] is not None:
+                        behind[s].append(key)
+                elif pk is bwd_weight:
                     if forward_only:
                         return None
                     wait.append(("G", s, i))  # its own I.s.m (made on this rank)
@@ -163,24 +172,27 @@ def _place_metadata(flow: Flow, metadata: str) -> bool:
     receive of its channel earlier (FIFO). False when a value is sent to a rank that never
     consumes it (a step is missing there)."""
     natural = flow.natural
-    if any(key not in natural for sent in flow.channels.values() for key in sent):
-        return False
-    if metadata == "none":
-        return True
-    for (_, receiver), sent in flow.channels.items():
-        carried, stages_seen = set(), set()
-        for key in sent:
+    for (_, receiver), sent in list(flow.channels.items()):
+        try:
+            gaps = [natural[key] for key in sent]
+        except KeyError:
+            return False
+        if metadata == "none" or not sent:
+            continue
+        carried: dict[int, DataKey] = {}  # place in the channel -> value
+        stages_seen: set[int] = set()
+        for place, key in enumerate(sent):
             if key[0] == "F" and (metadata == "all" or key[1] not in stages_seen):
                 stages_seen.add(key[1])
-                carried.add(key)
+                carried[place] = key
+        end = len(flow.items[receiver])
         for table, shift in ((flow.meta_gap, 0), (flow.meta_early, 1)):
-            data = meta = len(flow.items[receiver])  # suffix minima of the data / metadata channel
-            for key in reversed(sent):
-                gap = natural[key]
-                if key in carried:
-                    meta = min(meta, gap, data)
-                    table[key] = meta
-                data = min(data, max(0, gap - (0 if key in carried else shift)))
+            wanted = gaps if shift == 0 else [g if place in carried else max(0, g - 1) for place, g in enumerate(gaps)]
+            after = list(accumulate(reversed(wanted + [end]), min))[::-1]  # data receives: suffix minima (FIFO)
+            meta = end
+            for place in sorted(carried, reverse=True):  # metadata receives: suffix minima too
+                meta = min(meta, after[place])
+                table[carried[place]] = meta
     for name, table in (("natural", flow.meta_gap), ("early", flow.meta_early)):
         waits: dict[int, dict[int, list[DataKey]]] = defaultdict(lambda: defaultdict(list))
         for key, gap in table.items():
