@@ -255,3 +255,89 @@ def test_the_batch_rank_check_refuses_lists_other_than_the_levels_shape(change):
     bad = [MetaStep.from_str(cell) for cell in text.replace(old, new).split()]
     with pytest.raises(ScheduleError, match="lowering of rank 1"):
         rank_checks.check_levels_list(bad, 1, flow, level, "first")
+
+
+# ---------------------------------------------------------------------- review findings (issue 22)
+
+
+def _fused(p=2, v=2, m=4):
+    from hyper_parallel.core.pipeline_parallel.schedules.overlap_pairs import fuse_overlap_pairs
+
+    placement = ScheduleInterleaved1F1B.stage_placement(p, v)
+    return fuse_overlap_pairs(ScheduleInterleaved1F1B.generate(p, v, m), placement), placement
+
+
+def test_a_batch_with_two_sends_to_one_peer_in_the_wrong_order_is_refused():
+    # an OVERLAP step on the peer consumes both: the receiver expects them in the sender's order
+    from hyper_parallel.core.pipeline_parallel.lowering.levels import rank_list
+
+    compute, placement = _fused()
+    flow = flow_of(compute, placement, 4, "none", False)
+    level = flow.run(None, levels=True)
+    own = rank_list(flow, 0, level, "none")
+    k = next(k for k, s in enumerate(own) if s.meta_type is T.BATCH_SEND_RECV
+             and [op.meta_type for op in s.comm_parts[:2]] == [T.BWD_SEND, T.FWD_SEND])
+    ops = list(own[k].comm_parts)
+    ops[0], ops[1] = ops[1], ops[0]
+    bad = own[:k] + [MetaStep(None, T.BATCH_SEND_RECV, None, ops)] + own[k + 1:]
+    with pytest.raises(ScheduleError, match="data sends to rank 1 are not in the order it receives them"):
+        rank_checks.check_levels_list(bad, 0, flow, level, "none")
+
+
+def test_shapes_sent_in_the_wrong_order_are_refused():
+    from hyper_parallel.core.pipeline_parallel.lowering.levels import rank_list
+
+    compute, placement = ScheduleInterleaved1F1B.generate(2, 2, 4), ScheduleInterleaved1F1B.stage_placement(2, 2)
+    flow = flow_of(compute, placement, 4, "none", False)
+    level = flow.run(None, levels=True)
+    own = rank_list(flow, 0, level, "all")
+    a, b = (k for k, s in enumerate(own) if str(s) in ("SEND_META.s0.m2", "SEND_META.s2.m1"))
+    assert b == a + 1
+    bad = own[:a] + [own[b], own[a]] + own[b + 1:]
+    with pytest.raises(ScheduleError, match="metadata sends to rank 1 are not in the order it receives them"):
+        rank_checks.check_levels_list(bad, 0, flow, level, "all")
+
+
+def test_plain_sends_after_an_overlap_step_in_the_wrong_order_are_refused():
+    from hyper_parallel.core.pipeline_parallel.lowering.p2p import peer_rank
+
+    compute, placement = _fused()
+    flow = flow_of(compute, placement, 4, "none", False)
+    own = plan_rank(compute, placement, 0, 4, prefetch=True)
+    k = next(k for k in range(len(own) - 1) if own[k].meta_type.is_send and own[k + 1].meta_type.is_send
+             and peer_rank(own[k], placement) == peer_rank(own[k + 1], placement))
+    bad = own[:k] + [own[k + 1], own[k]] + own[k + 2:]
+    with pytest.raises(ScheduleError, match="sends to rank 1 are not in the order it receives them"):
+        rank_checks.check_plain_list(bad, 0, flow)
+
+
+def test_plain_compute_steps_out_of_order_are_refused():
+    compute, placement = Schedule1F1B.generate(2, 1, 2), Schedule1F1B.stage_placement(2, 1)
+    flow = flow_of(compute, placement, 2, "none", False)
+    own = plan_rank(compute, placement, 1, 2)
+    assert [str(s) for s in own[:2]] == ["RECV_F.s1.m0", "F.s1.m0"]
+    bad = [own[0], MetaStep(0, T.BWD, 1), MetaStep(0, T.FWD, 1), *[s for s in own[2:] if str(s) != "B.s1.m0"]]
+    with pytest.raises(ScheduleError, match="B.s1.m0 is not this rank's next compute step"):
+        rank_checks.check_plain_list(bad, 1, flow)
+
+
+@pytest.mark.parametrize("num_micro, rank", [(2.0, 0), (True, 0), (0, 0), (None, 0), ("2", 0), (2, "0"), (2, [0])])
+def test_bad_arguments_are_left_to_the_whole_job_path(num_micro, rank):
+    compute, placement = Schedule1F1B.generate(2, 1, 2), Schedule1F1B.stage_placement(2, 1)
+    for transport in ("plain", "batch"):
+        assert plan_rank(compute, placement, rank, num_micro, transport, prefetch=True) is None
+
+
+def test_a_stage_map_with_other_keys_is_left_to_the_whole_job_path():
+    compute = Schedule1F1B.generate(2, 1, 2)
+    assert plan_rank(compute, {0: 0, "1": 1}, 0, 2, prefetch=True) is None
+    assert plan_rank(compute, {0: 0, 1: "1"}, 0, 2, "batch", prefetch=True) is None
+
+
+def test_a_rank_without_stages_does_not_turn_the_levels_lowering_off():
+    compute, placement = Schedule1F1B.generate(3, 1, 4), Schedule1F1B.stage_placement(3, 1)
+    extra = {**compute, 3: []}
+    lowered = lower(extra, placement, "batch", metadata="all", prefetch=True)
+    assert lowered == {**lower(compute, placement, "batch", metadata="all", prefetch=True), 3: []}
+    assert plan_rank(extra, placement, 1, 4, "batch", metadata="all", prefetch=True) == lowered[1]
+    assert plan_rank({**compute, 3: [MetaStep(0, T.FWD, 0)]}, placement, 1, 4, "batch", prefetch=True) is None

@@ -93,8 +93,12 @@ def read_flow(compute: Schedule, stage_to_rank: dict[int, int], num_micro: int, 
     """The flow of the compute lists, or None where they hold something the pass does not model
     or break a rule ``validate_compute`` checks locally (placement, ranges, step shapes)."""
     num_stages = len(stage_to_rank)
-    if sorted(stage_to_rank) != list(range(num_stages)) or set(stage_to_rank.values()) != set(compute):
+    ranks = set(stage_to_rank.values())
+    if not all(type(x) is int for x in (*stage_to_rank, *ranks, *compute)) or type(num_micro) is not int \
+            or sorted(stage_to_rank) != list(range(num_stages)) or not ranks <= set(compute):
         return None
+    if any(step is not None for q in set(compute) - ranks for step in compute[q]):
+        return None  # steps on a rank that holds no stage
     flow = Flow(stage_to_rank, {}, {}, {})
     owner = stage_to_rank
     natural = flow.natural

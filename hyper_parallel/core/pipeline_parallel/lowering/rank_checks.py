@@ -36,9 +36,12 @@ def check_plain_list(own: list[MetaStep], rank: int, flow: Flow) -> None:
     owed: dict[DataKey, int] = {}  # values made here that another rank consumes, not sent yet -> position
     waited = False  # a RECV_META since the last compute step
     gap = 0
+    outgoing: dict[tuple[int, bool], list[DataKey]] = defaultdict(list)  # (peer, shapes?) -> values sent, in order
     for pos, step in enumerate(own):
         kind = step.meta_type
         if kind.is_compute:
+            if gap >= len(flow.items[rank]) or step is not flow.items[rank][gap] and step != flow.items[rank][gap]:
+                fail(f"{step} is not this rank's next compute step", pos)
             if owed:
                 key, where = next(iter(owed.items()))
                 fail(f"{_text(key)} made at step {where} is not sent before the next compute step", where, pos)
@@ -66,6 +69,7 @@ def check_plain_list(own: list[MetaStep], rank: int, flow: Flow) -> None:
             if (key[0] == "M") != (data in flow.meta_gap and ("M", *key[1:]) not in sent):
                 fail(f"{step}: the shapes of {_text(data)} go ahead of it, once", pos)
             sent.add(key)
+            outgoing[(peer, key[0] == "M")].append(data)
             if key[0] != "M":
                 del owed[data]
             continue
@@ -84,10 +88,16 @@ def check_plain_list(own: list[MetaStep], rank: int, flow: Flow) -> None:
     if owed:
         key, where = next(iter(owed.items()))
         fail(f"{_text(key)} made at step {where} is never sent", where)
+    if gap != len(flow.items[rank]):
+        fail(f"the list holds {gap} of the rank's {len(flow.items[rank])} compute steps")
     for (peer, is_meta), keys in order.items():
         expected = [key for key in flow.channels.get((peer, rank), ()) if key in flow.meta_gap or not is_meta]
         if keys != expected:
             fail(f"the {'metadata' if is_meta else 'data'} receives from rank {peer} are not in its send order")
+    for (peer, is_meta), keys in outgoing.items():  # what the peer's receives expect, in the same order
+        expected = [key for key in flow.channels.get((rank, peer), ()) if key in flow.meta_gap or not is_meta]
+        if keys != expected:
+            fail(f"the {'metadata' if is_meta else 'data'} sends to rank {peer} are not in the order it receives them")
 
 
 def _consumer_stage(key: DataKey) -> int | None:
@@ -122,6 +132,7 @@ def check_levels_list(own: list[MetaStep], rank: int, flow: Flow, level: dict[Da
     received: dict[DataKey, int] = {}
     meta_waiting: set[DataKey] = set()  # RECV_METAs since the last batch or compute step
     order: dict[int, list[DataKey]] = defaultdict(list)
+    outgoing: dict[tuple[int, bool], list[DataKey]] = defaultdict(list)  # (peer, shapes?) -> values sent, in order
     last_level, last_boundary, meta_seen, k = -1, 0, 0, 0
     made_here: set[DataKey] = set()
     for pos, step in enumerate(own):
@@ -145,6 +156,7 @@ def check_levels_list(own: list[MetaStep], rank: int, flow: Flow, level: dict[Da
                     or not max(last_level, meta_seen) < boundary(flow, level, key):
                 fail(f"{step} is not between the step that makes its value and its boundary's waits", pos)
             sent.add(("M", *key[1:]))
+            outgoing[(consumer_rank(flow, key), True)].append(key)
         elif kind is _T.META_RECV:
             key = ("F", *message_key(step)[1:])
             if key not in shapes or ("M", *key[1:]) in received or consumer_rank(flow, key) != rank:
@@ -171,6 +183,7 @@ def check_levels_list(own: list[MetaStep], rank: int, flow: Flow, level: dict[Da
                     if key in shapes and ("M", *key[1:]) not in sent:
                         fail(f"{op} goes before the SEND_META of its shapes", pos)
                     sent.add(key)
+                    outgoing[(consumer_rank(flow, key), False)].append(key)
                 else:
                     if key in received or consumer_rank(flow, key) != rank or peer == rank or op != recv_step(key):
                         fail(f"{op} is not a receive this rank needs, once", pos)
@@ -196,3 +209,8 @@ def check_levels_list(own: list[MetaStep], rank: int, flow: Flow, level: dict[Da
             fail(f"the data receives from rank {peer} are not that rank's sends, in their order")
         if order.get(-1 - peer, []) != [key for key in channel if key in shapes]:
             fail(f"the metadata receives from rank {peer} are not that rank's sends, in their order")
+        channel = sorted(flow.channels.get((rank, peer), []), key=lambda key: boundary(flow, level, key))
+        if outgoing.get((peer, False), []) != channel:  # the order rank ``peer`` receives them in
+            fail(f"the data sends to rank {peer} are not in the order it receives them")
+        if outgoing.get((peer, True), []) != [key for key in channel if key in shapes]:
+            fail(f"the metadata sends to rank {peer} are not in the order it receives them")

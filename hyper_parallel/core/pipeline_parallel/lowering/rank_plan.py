@@ -52,8 +52,9 @@ def plan_rank(
     makes it, checked as ``validate_lowered`` would check the whole job: for ``plain`` on gloo's
     eager engine, for ``batch`` with ``prefetch`` (``levels.py``) on either engine. None where this
     pass cannot prove it or does not apply (the caller lowers and validates the whole job then)."""
-    if metadata not in p2p.METADATA or rank not in compute or transport not in p2p.TRANSPORTS:
-        return None
+    if metadata not in p2p.METADATA or transport not in p2p.TRANSPORTS or type(rank) is not int \
+            or rank not in compute or type(num_microbatches) is not int or num_microbatches < 1:
+        return None  # the whole-job path refuses what is wrong here with its usual message
     if transport == "batch" and not prefetch:
         return None
     with paused_gc():
