@@ -341,3 +341,21 @@ def test_a_rank_without_stages_does_not_turn_the_levels_lowering_off():
     assert lowered == {**lower(compute, placement, "batch", metadata="all", prefetch=True), 3: []}
     assert plan_rank(extra, placement, 1, 4, "batch", metadata="all", prefetch=True) == lowered[1]
     assert plan_rank({**compute, 3: [MetaStep(0, T.FWD, 0)]}, placement, 1, 4, "batch", prefetch=True) is None
+
+
+def test_shapes_travel_with_the_first_message_sent_of_a_boundary_even_out_of_order():
+    # rank 1 consumes micro-batch 1 first: levels send F.s0.m1 first, so its shapes lead ("first"),
+    # else rank 1 would receive data of the boundary before any shapes (the runtime refuses that)
+    compute = {0: [MetaStep.from_str(t) for t in "F.s0.m0 F.s0.m1 F.s0.m2 B.s0.m0 B.s0.m1 B.s0.m2".split()],
+               1: [MetaStep.from_str(t) for t in "F.s1.m1 F.s1.m0 F.s1.m2 B.s1.m1 B.s1.m0 B.s1.m2".split()]}
+    placement = Schedule1F1B.stage_placement(2, 1)
+    own = plan_rank(compute, placement, 1, 3, "batch", metadata="first", prefetch=True)
+    first_data = next(k for k, s in enumerate(own) if s.meta_type is T.BATCH_SEND_RECV)
+    assert [str(s) for s in own[:first_data + 1]] == ["RECV_META.s1.m1", "BATCH[RECV_F.s1.m1+RECV_F.s1.m0]"]
+    sender = plan_rank(compute, placement, 0, 3, "batch", metadata="first", prefetch=True)
+    assert [str(s) for s in sender if s.meta_type is T.META_SEND] == ["SEND_META.s0.m1"]
+    flow = flow_of(compute, placement, 3, "none", False)
+    level = flow.run(None, levels=True)
+    shapes_late = own[1:first_data + 1] + [MetaStep.from_str("RECV_META.s1.m0")] + own[first_data + 1:]
+    with pytest.raises(ScheduleError, match="lowering of rank 1"):
+        rank_checks.check_levels_list(shapes_late, 1, flow, level, "first")

@@ -79,6 +79,8 @@ def check_plain_list(own: list[MetaStep], rank: int, flow: Flow) -> None:
             fail(f"{step} receives a value this rank does not consume from another rank", pos)
         if key[0] != "M" and data in flow.meta_gap and ("M", *key[1:]) not in received:
             fail(f"{step} comes before the receive of its shapes", pos)
+        if key[0] == "F" and flow.meta_gap and not any(k[0] == "M" and k[1] == key[1] for k in received):
+            fail(f"{step} comes before the shapes of its stage boundary", pos)
         received[key] = pos
         order[(peer, key[0] == "M")].append(data)
         if key[0] == "M":
@@ -126,7 +128,8 @@ def check_levels_list(own: list[MetaStep], rank: int, flow: Flow, level: dict[Da
     def fail(reason: str, *marks: int) -> None:
         raise ScheduleError(f"lowering of rank {rank}: {reason}", schedule, [(rank, k) for k in marks])
 
-    shapes = carried(flow, metadata)
+    shapes = carried(flow, level, metadata)
+    shaped: set[int] = set()  # stages whose boundary's shapes arrived
     owed = {key for makes in flow.makes[rank] for key in makes if consumer_rank(flow, key) not in (None, rank)}
     sent: set[DataKey] = set()
     received: dict[DataKey, int] = {}
@@ -162,6 +165,7 @@ def check_levels_list(own: list[MetaStep], rank: int, flow: Flow, level: dict[Da
             if key not in shapes or ("M", *key[1:]) in received or consumer_rank(flow, key) != rank:
                 fail(f"{step} receives shapes this rank does not wait for", pos)
             received[("M", *key[1:])] = pos
+            shaped.add(key[1])
             meta_waiting.add(key)
             meta_seen = max(meta_seen, boundary(flow, level, key))
             order[-1 - flow.stage_to_rank[key[1]]].append(key)
@@ -189,6 +193,8 @@ def check_levels_list(own: list[MetaStep], rank: int, flow: Flow, level: dict[Da
                         fail(f"{op} is not a receive this rank needs, once", pos)
                     if key in shapes and key not in meta_waiting:
                         fail(f"{op} has no RECV_META right before its batch", pos)
+                    if shapes and key[0] == "F" and key[1] not in shaped:
+                        fail(f"{op} comes before the shapes of its stage boundary", pos)
                     received[key] = pos
                     order[peer].append(key)
             if meta_waiting - set(keys):
