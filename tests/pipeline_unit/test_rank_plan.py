@@ -29,36 +29,24 @@ from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B, Schedul
 T = MetaStepType
 
 
+@pytest.mark.parametrize("transport", ["plain", "batch"])
 @pytest.mark.parametrize("cls,chunks,fuse", SCHEDULES, ids=lambda x: getattr(x, "__name__", str(x)))
-def test_each_rank_gets_the_list_whole_job_lowering_gives_it(cls, chunks, fuse):
+def test_each_rank_gets_the_list_whole_job_lowering_gives_it(cls, chunks, fuse, transport):
+    """plain: every option; batch: with prefetch (the levels lowering), accepted on both engines."""
     checked = 0
     for p, v, m in _configs(cls, chunks):
         compute, placement = _compute(cls, p, v, m, fuse)
         for forward_only, prefetch, metadata in OPTIONS:
+            prefetch = prefetch or transport == "batch"
             lists = _forwards_only(compute) if forward_only else compute
-            want = lower(lists, placement, "plain", metadata=metadata, prefetch=prefetch)
+            want = lower(lists, placement, transport, metadata=metadata, prefetch=prefetch)
+            if transport == "batch":
+                for engine in ("stream", "eager"):
+                    validate_lowered(want, placement, m, "batch", forward_only, engine=engine)
             for rank in lists:
-                got = plan_rank(lists, placement, rank, m, metadata=metadata, prefetch=prefetch,
+                got = plan_rank(lists, placement, rank, m, transport, metadata=metadata, prefetch=prefetch,
                                 forward_only=forward_only)
                 assert got == want[rank], (cls.__name__, p, v, m, metadata, prefetch, forward_only, rank)
-                checked += 1
-    assert checked >= 200
-
-
-@pytest.mark.parametrize("cls,chunks,fuse", SCHEDULES, ids=lambda x: getattr(x, "__name__", str(x)))
-def test_batch_with_prefetch_each_rank_gets_its_list_of_the_levels_lowering(cls, chunks, fuse):
-    checked = 0
-    for p, v, m in _configs(cls, chunks):
-        compute, placement = _compute(cls, p, v, m, fuse)
-        for forward_only, _, metadata in OPTIONS:
-            lists = _forwards_only(compute) if forward_only else compute
-            want = lower(lists, placement, "batch", metadata=metadata, prefetch=True)
-            for engine in ("stream", "eager"):
-                validate_lowered(want, placement, m, "batch", forward_only, engine=engine)
-            for rank in lists:
-                got = plan_rank(lists, placement, rank, m, "batch", metadata=metadata, prefetch=True,
-                                forward_only=forward_only)
-                assert got == want[rank], (cls.__name__, p, v, m, metadata, forward_only, rank)
                 checked += 1
     assert checked >= 200
 
