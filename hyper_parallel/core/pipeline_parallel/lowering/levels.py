@@ -53,19 +53,26 @@ def lower_by_levels(compute: Schedule, stage_to_rank: dict[int, int], metadata: 
     return {rank: rank_list(flow, rank, level, metadata) for rank in (sorted(flow.items) if ranks is None else ranks)}
 
 
-def carried(flow: Flow, level: dict[DataKey, int], metadata: str) -> set[DataKey]:
-    """Forward values whose shapes travel ahead of them: the first *sent* of each stage boundary
-    (``"first"``: the receiver makes every later buffer of that boundary from those shapes, so no
-    data receive of it may come before them) or every one (``"all"``)."""
+def carried(flow: Flow, level: dict[DataKey, int], metadata: str, rank: int) -> set[DataKey]:
+    """Forward values to or from ``rank`` whose shapes travel ahead of them: the first *sent* of each
+    stage boundary (``"first"``: the receiver makes every later buffer of that boundary from those
+    shapes, so no data receive of it may come before them) or every one (``"all"``)."""
     out: set[DataKey] = set()
     if metadata == "none":
         return out
-    for sent in flow.channels.values():
-        stages: set[int] = set()
-        for key in sorted(sent, key=lambda key: boundary(flow, level, key)):  # the order they travel in
-            if key[0] == "F" and (metadata == "all" or key[1] not in stages):
-                stages.add(key[1])
-                out.add(key)
+    for (sender, receiver), sent in flow.channels.items():
+        if rank not in (sender, receiver):
+            continue
+        if metadata == "all":
+            out.update(key for key in sent if key[0] == "F")
+            continue
+        first: dict[int, tuple[int, DataKey]] = {}  # stage -> (boundary, value): the earliest, then the first made
+        for key in sent:
+            if key[0] == "F":
+                t = boundary(flow, level, key)
+                if key[1] not in first or t < first[key[1]][0]:
+                    first[key[1]] = (t, key)
+        out.update(key for _, key in first.values())
     return out
 
 
@@ -94,7 +101,7 @@ def boundary(flow: Flow, level: dict[DataKey, int], key: DataKey) -> int:
 def rank_list(flow: Flow, rank: int, level: dict[DataKey, int], metadata: str) -> list[MetaStep]:
     """``rank``'s lowered list (see the module docstring)."""
     items = flow.items[rank]
-    shapes = carried(flow, level, metadata)
+    shapes = carried(flow, level, metadata, rank)
     levels = [level[flow.makes[rank][k][0]] for k in range(len(items))]
     sends: dict[int, list[MetaStep]] = defaultdict(list)  # boundary -> data sends
     meta_sends: dict[int, list[MetaStep]] = defaultdict(list)  # boundary -> SEND_METAs

@@ -128,7 +128,7 @@ def check_levels_list(own: list[MetaStep], rank: int, flow: Flow, level: dict[Da
     def fail(reason: str, *marks: int) -> None:
         raise ScheduleError(f"lowering of rank {rank}: {reason}", schedule, [(rank, k) for k in marks])
 
-    shapes = carried(flow, level, metadata)
+    shapes = carried(flow, level, metadata, rank)
     shaped: set[int] = set()  # stages whose boundary's shapes arrived
     owed = {key for makes in flow.makes[rank] for key in makes if consumer_rank(flow, key) not in (None, rank)}
     sent: set[DataKey] = set()
