@@ -32,15 +32,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule
+from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule, consumer_stage
 from hyper_parallel.core.pipeline_parallel.lowering.flow import Flow, flow_of
 
 _T = MetaStepType
 
 
-def lower_by_levels(compute: Schedule, stage_to_rank: dict[int, int], metadata: str,
-                    ranks: list[int] | None = None) -> dict[int, list[MetaStep]] | None:
-    """The batch lists of ``ranks`` (default: all), or None where the compute lists hold something
+def lower_by_levels(compute: Schedule, stage_to_rank: dict[int, int], metadata: str) -> dict[int, list[MetaStep]] | None:
+    """Every rank's batch lists, or None where the compute lists hold something
     the flow does not model or cannot finish (lowering them the old way lets validation say what)."""
     micros = [step.micro_index for steps in compute.values() for step in steps if step is not None]
     num_micro = max((i for i in micros if type(i) is int), default=-1) + 1
@@ -50,7 +49,7 @@ def lower_by_levels(compute: Schedule, stage_to_rank: dict[int, int], metadata: 
     level = flow.run(None, levels=True)
     if level is None:
         return None
-    return {rank: rank_list(flow, rank, level, metadata) for rank in (sorted(flow.items) if ranks is None else ranks)}
+    return {rank: rank_list(flow, rank, level, metadata) for rank in sorted(flow.items)}
 
 
 def carried(flow: Flow, level: dict[DataKey, int], metadata: str, rank: int) -> set[DataKey]:
@@ -87,8 +86,8 @@ def recv_step(key: DataKey) -> MetaStep:
 
 
 def consumer_rank(flow: Flow, key: DataKey) -> int | None:
-    stage = key[1] + 1 if key[0] == "F" else key[1] - 1 if key[0] == "G" else None
-    return flow.stage_to_rank.get(stage) if stage is not None else None
+    """The rank that consumes a value (None for a stage's own weight-gradient mark, or past the ends)."""
+    return flow.stage_to_rank.get(consumer_stage(key)) if key[0] in ("F", "G") else None
 
 
 def boundary(flow: Flow, level: dict[DataKey, int], key: DataKey) -> int:

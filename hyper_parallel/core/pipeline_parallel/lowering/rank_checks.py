@@ -49,8 +49,7 @@ def check_plain_list(own: list[MetaStep], rank: int, flow: Flow) -> None:
                 if flow.natural.get(key) == gap and owner[key[1]] != rank and key not in received:
                     fail(f"{step} consumes {_text(key)} with no receive before it", pos)
             for key in flow.makes[rank][gap]:
-                consumer = _consumer_stage(key)
-                if consumer is not None and owner.get(consumer, rank) != rank:
+                if consumer_rank(flow, key) not in (None, rank):
                     owed[key] = pos
             waited = False
             gap += 1
@@ -100,14 +99,6 @@ def check_plain_list(own: list[MetaStep], rank: int, flow: Flow) -> None:
         expected = [key for key in flow.channels.get((rank, peer), ()) if key in flow.meta_gap or not is_meta]
         if keys != expected:
             fail(f"the {'metadata' if is_meta else 'data'} sends to rank {peer} are not in the order it receives them")
-
-
-def _consumer_stage(key: DataKey) -> int | None:
-    if key[0] == "F":
-        return key[1] + 1
-    if key[0] == "G":
-        return key[1] - 1
-    return None
 
 
 def _text(key: DataKey) -> str:
