@@ -4,11 +4,12 @@ Planning is what a schedule's constructor does before any communication: ours ge
 compute lists of every rank and plans that rank's list with the defaults (``overlap_p2p=True``,
 metadata for the first micro-batch): for ``plain`` (gloo's eager engine) and ``batch`` (the
 stream engine of NCCL/HCCL) a pass linear in the job plans and checks the rank's own list
-(``lowering/rank_plan.py``); ``ScheduleMPipeTranspose``, whose own lowering pass places its
-preprocess steps by simulating the whole job, lowers, places and validates every rank's lists
-(``plain``: it runs on the eager engines only). Torch's constructor computes every rank's actions
-and adds its communication steps. Each figure is the CPU time of one build for a middle rank in a
-fresh process (nothing reused from an earlier build), the smallest of ``--rounds``; ``peak MiB``
+(``lowering/rank_plan.py``); ``ScheduleMPipeTranspose`` (``plain`` only: it runs on the eager
+engines) plans its rank's list with its preprocess steps (``features/mpipe/rank_plan.py``), for
+stage 0's rank, which plans the most; torch has no MPipe, so its row shows torch's build of the
+body schedule (1F1B, or interleaved 1F1B for v > 1). Torch's constructor computes every rank's
+actions and adds its communication steps. Each figure is the CPU time of one build for a middle
+rank (MPipe: rank 0) in a fresh process (nothing reused from an earlier build), the smallest of ``--rounds``; ``peak MiB``
 is how much the process's peak resident memory grew while planning. The growth columns divide
 the time at 2m by the time at m (near-linear: about 2).
 
@@ -51,10 +52,11 @@ FULL_ROWS = [  # the sizes issue 22 was filed with, then the largest of every sc
     ("ScheduleInterleavedZeroBubble", "ScheduleInterleavedZeroBubble", 64, 4, 1024),
     ("ScheduleZBVZeroBubble", "ScheduleZBVZeroBubble", 64, 2, 1024),
     ("ScheduleDualPipeV", "ScheduleDualPipeV", 64, 2, 1024),
-    ("ScheduleMPipeTranspose", None, 16, 1, 128),
+    ("ScheduleMPipeTranspose", "Schedule1F1B", 64, 1, 1024),
+    ("ScheduleMPipeTranspose", "ScheduleInterleaved1F1B", 64, 4, 1024),
 ]
 FULL_GROWTH = [("Schedule1F1B", 64, 1, 512), ("ScheduleInterleaved1F1B", 64, 4, 512), ("ScheduleZBVZeroBubble", 64, 2, 512),
-               ("ScheduleDualPipeV", 64, 2, 512)]
+               ("ScheduleDualPipeV", 64, 2, 512), ("ScheduleMPipeTranspose", 64, 1, 512)]
 SMOKE_ROWS = [("Schedule1F1B", "Schedule1F1B", 2, 1, 4), ("ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B", 2, 2, 4),
               ("ScheduleDualPipeV", None, 2, 2, 8), ("ScheduleMPipeTranspose", None, 2, 1, 4)]
 SMOKE_GROWTH = [("Schedule1F1B", 2, 1, 4)]
@@ -85,7 +87,8 @@ def plan_ours(name: str, p: int, v: int, m: int, transport: str) -> dict[str, An
     with paused_gc():
         compute = cls.generate(p, v, m)
         placement = cls.stage_placement(p, v)
-        own = None if mpipe else _plan_rank(compute, placement, p // 2, m, transport)
+        own = _plan_mpipe_rank(compute, placement, p, m) if mpipe else _plan_rank(compute, placement, p // 2, m,
+                                                                                   transport)
         if own is None:
             _plan_job(compute, placement, p, m, transport, mpipe)
     seconds = time.process_time() - start
@@ -98,6 +101,20 @@ def _plan_rank(compute: Any, placement: dict[int, int], rank: int, m: int, trans
     except ImportError:  # --lib: a version that plans the whole job
         return None
     return plan_rank(compute, placement, rank, m, transport, metadata="first", prefetch=True)
+
+
+def _plan_mpipe_rank(compute: Any, placement: dict[int, int], p: int, m: int) -> Any:
+    """Stage 0's rank's list with its MPipe steps, as ``ScheduleMPipeTranspose`` plans it on gloo."""
+    try:
+        from hyper_parallel.core.pipeline_parallel.features.mpipe.rank_plan import plan_mpipe_rank
+    except ImportError:  # --lib: a version that plans the whole job
+        return None
+    from hyper_parallel.core.pipeline_parallel.features.mpipe.plan import MPipePlan
+    from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, StageCost
+
+    v = len(placement) // p
+    return plan_mpipe_rank(compute, placement, 0, MPipePlan(p, m, "full", True, True, "recompute"), metadata="first",
+                           prefetch=True, costs=CostModel.per_rank_share(p, v), preprocess=StageCost(F=1.0, B=2.0))
 
 
 def _plan_job(compute: Any, placement: dict[int, int], p: int, m: int, transport: str, mpipe: bool) -> None:

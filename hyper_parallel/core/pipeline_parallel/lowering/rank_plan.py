@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule, message_key
 from hyper_parallel.core.pipeline_parallel.lowering import levels, p2p, rank_checks
-from hyper_parallel.core.pipeline_parallel.lowering.flow import counts_complete, flow_of
+from hyper_parallel.core.pipeline_parallel.lowering.flow import Flow, counts_complete, flow_of
 from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc
 
 _T = MetaStepType
@@ -69,14 +69,28 @@ def plan_rank(
             own = levels.rank_list(flow, rank, level, metadata)
             rank_checks.check_levels_list(own, rank, flow, level, metadata)
             return own
+        lists = plain_lists(flow, compute, [rank], num_microbatches, metadata=metadata, prefetch=prefetch,
+                            forward_only=forward_only)
+        return None if lists is None else lists[rank]
+
+
+def plain_lists(flow: Flow, compute: Schedule, ranks: list[int], num_microbatches: int, *, metadata: str,
+                prefetch: bool, forward_only: bool, early_proved: bool = False) -> dict[int, list[MetaStep]] | None:
+    """The ``plain`` lists of ``ranks`` (each as ``plan_rank`` makes it) from one flow of the job;
+    ``early_proved``: the caller ran the job with the metadata waits at their earliest places."""
+    stage_to_rank = flow.stage_to_rank
+    lists: dict[int, list[MetaStep]] = {}
+    for rank in ranks:
         made = flow.run(rank)
         if made is None or not counts_complete(made, len(stage_to_rank), num_microbatches, forward_only):
             return None
-        if prefetch and flow.meta_early != flow.meta_gap and flow.run(rank, "early") is None:
+        if prefetch and not early_proved and flow.meta_early != flow.meta_gap and flow.run(rank, "early") is None:
             return None  # the strictest waits prefetch can make may not finish: the whole-job check decides
+        early_proved = True
         own = _lower_rank(compute, stage_to_rank, rank, metadata, prefetch, made)
         rank_checks.check_plain_list(own, rank, flow)
-        return own
+        lists[rank] = own
+    return lists
 
 
 def _lower_rank(compute: Schedule, stage_to_rank: dict[int, int], rank: int, metadata: str, prefetch: bool,

@@ -32,7 +32,13 @@ from typing import Any
 from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, StageCost
 from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, consumes, message_key, produces
 from hyper_parallel.core.pipeline_parallel.lowering.job_model import producer_text
+from hyper_parallel.core.pipeline_parallel.lowering.flow import flow_of
 from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+from hyper_parallel.core.pipeline_parallel.features.mpipe.placement import (
+    metadata_of,
+    overflow_slots,
+    preprocess_costs,
+)
 from hyper_parallel.core.pipeline_parallel.features.mpipe.plan import (
     FEATURE,
     FEATURE_GRAD,
@@ -220,52 +226,20 @@ def run_mpipe(lowered: Lowered, stage_to_rank: dict[int, int], plan: MPipePlan, 
 
 def place_mpipe_steps(lowered: Lowered, stage_to_rank: dict[int, int], plan: MPipePlan, forward_only: bool = False,
                       costs: CostModel | None = None, preprocess: StageCost | None = None) -> Lowered:
-    """`insert_mpipe_steps` with the overflow preprocesses of ``"full"`` placed from a simulation:
-    one micro-batch at a time (ascending), on its owner, at the body position that absorbs most of
-    the preprocess in idle time while its output still reaches stage 0 before the stage-0
-    forward needs it (the latest such position on a tie); where nothing meets that time, before
-    the owner's first step. A position the owner reaches before the consumer ran cannot depend on
-    it, so the choice never makes a cycle. Costs default to the simulator's (a preprocess
-    costing one rank's share of the body)."""
+    """`insert_mpipe_steps` with the overflow preprocesses of ``"full"`` placed from one timed run
+    of the compute job (``placement.py``: each before the owner's step that leaves it most idle
+    time while its output still reaches stage 0 in time). Costs default to the simulator's (a
+    preprocess costing one rank's share of the body)."""
     plan_run = plan.with_backward(forward_only)
-    zero = stage_to_rank[0]
-    todo = overflow_micros(plan_run, zero)
-    if not todo:
+    if not overflow_micros(plan_run, stage_to_rank[0]):
         return insert_mpipe_steps(lowered, stage_to_rank, plan, forward_only)
-    num_ranks = plan.num_ranks
-    if costs is None:
-        costs = CostModel.per_rank_share(num_ranks, max(1, len(stage_to_rank) // num_ranks))
-    costs = costs.for_stages(len(stage_to_rank))
-    if preprocess is None:
-        share = [costs.stage(s) for s, r in stage_to_rank.items() if r == zero]
-        preprocess = StageCost(F=sum(s.F for s in share), B=sum(s.B for s in share))
-    if not plan.compute:
-        preprocess = StageCost(F=0.0, B=0.0)
+    costs, preprocess = preprocess_costs(plan, stage_to_rank, costs, preprocess)
     body = {rank: [s for s in items if s is not None] for rank, items in lowered.items()}
-    slots: dict[int, int] = {}
-    for n, j in enumerate(todo):
-        pending = frozenset(todo[n:])
-        trial = insert_mpipe_steps(lowered, stage_to_rank, plan, forward_only, slots, pending)
-        model = MPipeTimedModel(trial, stage_to_rank, plan_run, costs, preprocess, given=pending)
-        if model.run():
-            break  # cannot happen for the body schedules here; the rest keep the structural places
-        need = model.reached[(zero, next(s for s in model.steps[zero]
-                                         if s.meta_type is _T.FWD and s.stage_index == 0 and s.micro_index == j))][1]
-        owner = plan_run.owner(j)
-        latest = need - preprocess.F - costs.p2p_latency_ms
-        best, best_score = 0, -1.0
-        items = body[owner]
-        next_start = model.clock[owner]
-        for k in range(len(items) - 1, -1, -1):
-            arrival, start = model.reached[(owner, items[k])]
-            if items[k].meta_type.is_compute:
-                next_start = start
-            if arrival > latest + 1e-9:
-                continue
-            score = min(next_start - arrival, preprocess.F)
-            if score > best_score + 1e-9:
-                best, best_score = k, score
-        slots[j] = best
+    compute = {rank: [s for s in items if s.meta_type.is_compute or s.meta_type.is_overlap]
+               for rank, items in body.items()}
+    flow = flow_of(compute, stage_to_rank, plan.num_microbatches, metadata_of(body), forward_only)
+    slots = None if flow is None else overflow_slots(flow, plan_run, costs, preprocess, body)
+    # None: the body cannot run as it is; the structural places stand and check_mpipe reports it
     return insert_mpipe_steps(lowered, stage_to_rank, plan, forward_only, slots)
 
 

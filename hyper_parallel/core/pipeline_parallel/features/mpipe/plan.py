@@ -18,7 +18,7 @@ Where the steps go in the lowered lists of the body schedule (`insert_mpipe_step
   gradient to the owner, right after the stage-0 backward of that micro-batch;
 - an owner: the micro-batch ``j < NT`` it owns first of all (its warm-up idle time); an overflow
   micro-batch (``"full"`` only) at the body position ``overflow_slots`` gives
-  (``mpipe_model.place_mpipe_steps`` picks it from a simulation), by default right before the
+  (``placement.py`` picks it from a timed run of the compute job), by default right before the
   owner's own chunk-0 forward of micro-batch ``j - NT``, a round ahead of stage 0's need;
   kept-graph backwards at the end of its list (the owner finishes its body steps before stage 0's
   rank does).
@@ -244,20 +244,22 @@ def overflow_micros(plan: MPipePlan, zero: int = 0) -> list[int]:
 
 def insert_mpipe_steps(lowered: Lowered, stage_to_rank: dict[int, int], plan: MPipePlan,
                        forward_only: bool = False, overflow_slots: dict[int, int] | None = None,
-                       pending: frozenset[int] = frozenset()) -> Lowered:
+                       partial: bool = False) -> Lowered:
     """The lowered body lists with the MPipe steps of ``plan`` inserted (see the module docstring).
 
     ``overflow_slots`` may choose where an overflow micro-batch's preprocess goes on its owner
-    (before that body position; the FIFO rule may still move it earlier); ``mpipe_model``
-    chooses them from a simulation. The transfers of the micro-batches in ``pending`` are left
-    out (while their places are being chosen).
+    (before that body position; the FIFO rule may still move it earlier); ``placement.py``
+    chooses them from a timed run. ``partial``: ``lowered`` holds some ranks only, stage 0's
+    among them, and no rank left out has a body channel with stage 0's rank (so its MPipe
+    messages come first on their channel); only the lists given are made.
     """
     plan = plan.with_backward(forward_only)
     overflow_slots = overflow_slots or {}
     steps = {rank: [s for s in items if s is not None] for rank, items in lowered.items()}
     zero = stage_to_rank[0]
     m, nt = plan.num_microbatches, plan.num_owners
-    if sorted(steps) != list(range(plan.num_ranks)):
+    if (zero not in steps or not set(steps) <= set(range(plan.num_ranks))) if partial \
+            else sorted(steps) != list(range(plan.num_ranks)):
         raise ValueError(f"the plan is for {plan.num_ranks} ranks, the schedule has ranks {sorted(steps)}")
     forwards = _index(steps[zero], (_T.FWD,), 0)
     backwards = _index(steps[zero], (_T.BWD, _T.BWD_INPUT), 0)
@@ -268,7 +270,8 @@ def insert_mpipe_steps(lowered: Lowered, stage_to_rank: dict[int, int], plan: MP
     inserts: dict[int, list[tuple[int, int, int, MetaStep]]] = {rank: [] for rank in steps}
 
     def put(rank: int, slot: int, kind: MetaStepType, micro: int) -> None:
-        inserts[rank].append((slot, micro, _KIND_ORDER[kind], MetaStep(micro, kind, None)))
+        if rank in inserts:
+            inserts[rank].append((slot, micro, _KIND_ORDER[kind], MetaStep(micro, kind, None)))
 
     first_local = min(plan.owned(zero))  # always 0: micro-batch 0 is stage 0's rank's own
     pf_slot: dict[int, int] = {}
@@ -276,6 +279,8 @@ def insert_mpipe_steps(lowered: Lowered, stage_to_rank: dict[int, int], plan: MP
         owner = plan.owner(j)
         if owner == zero:
             pf_slot[j] = 0 if j == first_local else forwards[j]
+        elif owner not in steps:
+            put(zero, 0, _T.PRE_RECV, j)  # no body message from that owner comes before it
         elif j < nt:
             pf_slot[j] = 0
         elif j in overflow_slots:
@@ -285,7 +290,7 @@ def insert_mpipe_steps(lowered: Lowered, stage_to_rank: dict[int, int], plan: MP
     for owner in steps:
         if owner == zero:
             continue
-        mine = [j for j in plan.owned(owner) if j not in pending]
+        mine = plan.owned(owner)
         pair_sends, pair_recvs = sends.get((owner, zero), []), recvs.get((owner, zero), [])
         for j in mine:
             pf_slot[j], _ = _fifo_slot(pf_slot[j], pair_sends, pair_recvs, forwards[j])
@@ -305,9 +310,9 @@ def insert_mpipe_steps(lowered: Lowered, stage_to_rank: dict[int, int], plan: MP
             if owner == zero or plan.backward == "recompute":
                 put(zero, after_b, _T.PRE_BWD, j)
                 continue
-            if j in pending:
-                continue
             put(zero, after_b, _T.PRE_GRAD_SEND, j)
+            if owner not in steps:
+                continue
             back = [k for k in sends.get((zero, owner), []) if k < after_b]
             pair_recvs = recvs.get((zero, owner), [])
             slot = max(pf_slot[j], pair_recvs[len(back) - 1] + 1 if back else 0)

@@ -45,6 +45,7 @@ from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepTyp
 from hyper_parallel.core.pipeline_parallel.runtime.meta import TensorMeta, describe
 from hyper_parallel.core.pipeline_parallel.runtime.microbatch import split_inputs, split_target
 from hyper_parallel.core.pipeline_parallel.features.mpipe.model import check_mpipe, place_mpipe_steps, simulate_mpipe
+from hyper_parallel.core.pipeline_parallel.features.mpipe.rank_plan import plan_mpipe_rank
 from hyper_parallel.core.pipeline_parallel.features.mpipe.plan import (
     MPipeBatchSampler,
     MPipePlan,
@@ -54,7 +55,7 @@ from hyper_parallel.core.pipeline_parallel.features.mpipe.plan import (
 from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, StageCost
 from hyper_parallel.core.pipeline_parallel.ir.placement import is_int
 from hyper_parallel.core.pipeline_parallel.runtime.executor import PipelineRuntime, StageError, _PendingSend
-from hyper_parallel.core.pipeline_parallel.schedule import RunHook, ScheduleInterleaved1F1B
+from hyper_parallel.core.pipeline_parallel.schedule import RunHook, ScheduleInterleaved1F1B, _forwards_only
 from hyper_parallel.core.pipeline_parallel.schedules import generate_1f1b, generate_interleaved_1f1b
 from hyper_parallel.core.pipeline_parallel.runtime.stage import PipelineStage
 
@@ -175,10 +176,26 @@ class ScheduleMPipeTranspose(ScheduleInterleaved1F1B):
                     raise ValueError(f"pipeline ranks disagree on {what}: rank {ranks[0]} has {everyone[0][key]!r} "
                                      f"but rank {ranks[k]} has {theirs[key]!r}")
 
+    def _plan(self, metadata: str, forward_only: bool) -> dict[int, list[MetaStep]]:
+        """This rank's list alone (``mpipe/rank_plan.py``) on gloo's eager engine when MPipe's is the
+        only lowering pass; else (or where that pass cannot prove it) every rank's, as the base
+        class plans them with the passes."""
+        if self.platform.device_type == "cpu" and self._passes == [self._insert_steps]:
+            compute = _forwards_only(self.compute_schedule) if forward_only else self.compute_schedule
+            share, pre = self._placement_costs()
+            own = plan_mpipe_rank(compute, self.stage_to_pp_rank, self.pp_rank, self.plan, metadata=metadata,
+                                  prefetch=self.overlap_p2p, forward_only=forward_only, costs=share, preprocess=pre)
+            if own is not None:
+                return {self.pp_rank: own}
+        return super()._plan(metadata, forward_only)
+
+    def _placement_costs(self) -> tuple[CostModel, StageCost]:
+        return (CostModel.per_rank_share(self.num_ranks, len(self.stages)),
+                StageCost(F=self.preprocess_cost, B=2 * self.preprocess_cost))
+
     def _insert_steps(self, lowered: dict[int, list[MetaStep]], schedule: Any, forward_only: bool
                       ) -> dict[int, list[MetaStep]]:
-        share = CostModel.per_rank_share(self.num_ranks, len(self.stages))
-        pre = StageCost(F=self.preprocess_cost, B=2 * self.preprocess_cost)
+        share, pre = self._placement_costs()
         out = place_mpipe_steps(lowered, self.stage_to_pp_rank, self.plan, forward_only, share, pre)
         check_mpipe(out, self.stage_to_pp_rank, self.plan, forward_only)
         return out

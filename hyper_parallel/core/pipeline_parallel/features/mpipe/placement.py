@@ -1,0 +1,269 @@
+"""Where MPipe's overflow preprocesses go, from one timed run of the compute job.
+
+An owner runs the preprocess of an overflow micro-batch ``j`` (``overflow_mode="full"``, ``j >=
+NT``) somewhere in its body list; its output must reach stage 0's rank before the stage-0
+forward of ``j`` needs it, and the preprocess should fill the owner's idle time rather than
+delay its body steps.
+
+`time_job` runs the compute job once (the body's compute lists read by ``lowering/flow.py``,
+each step once, woken by the value it waits for), with the MPipe work that does not move:
+the first-round preprocesses at the start of their owners' lists, stage 0's rank's own
+preprocesses right before the forwards that consume them, its preprocess backwards right after
+the stage-0 backwards, and the metadata waits at the earliest place ``prefetch`` can put them.
+The overflow outputs count as given (not yet placed). It records, for every rank, when it
+reached each compute step and when that step started, and when stage 0 starts each forward.
+
+`overflow_places` then takes each owner's overflow micro-batches in ascending order: ``j`` goes
+before the owner's compute step that leaves most idle time for it (at most the preprocess's
+time; the latest such step on a tie) among those the owner reaches early enough for the output
+to arrive in time (``need - preprocess - latency``); before the owner's first step when none
+does. The time a placed preprocess does not fill delays the owner's later steps in the
+reckoning of the later choices; the idle time it fills is gone for them.
+
+Why the choice cannot deadlock the job: the timed run is an execution of the compute job with
+every wait of the lowered job but the overflow ones. Each placed preprocess adds one wait: the
+stage-0 forward of ``j`` waits for the owner's steps before the chosen one. In the run those
+ended by the time the owner reached the chosen step, no later than ``need - preprocess -
+latency``, which is no later than the forward's start. So the run is still an execution of the
+job with the new waits: every wait goes forward in time, and a cycle of waits would need a
+step to end no later than it starts, with every step on it lasting no time (the body's steps
+last a positive time). The first-in-first-out rule of a channel only moves a send earlier
+(`plan.insert_mpipe_steps`), which removes waits. Sends never wait on gloo's eager engine and
+receives are posted without waiting there, so the waits above are all the job has.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+from hyper_parallel.core.pipeline_parallel.features.mpipe.plan import MPipePlan, overflow_micros
+from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.lowering.flow import Flow
+from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, StageCost
+
+_T = MetaStepType
+_EPS = 1e-9
+
+
+@dataclass
+class JobTiming:
+    """One timed run of the compute job: per rank and compute step, when the rank reached it
+    (after its metadata waits) and when it started; per overflow micro-batch, when stage 0's
+    forward of it started."""
+
+    reached: dict[int, list[float]]
+    start: dict[int, list[float]]
+    need: dict[int, float]
+
+
+def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCost) -> JobTiming | None:
+    """The timed run described in the module docstring; None when the job cannot finish."""
+    zero = flow.stage_to_rank[0]
+    costs = costs.for_stages(len(flow.stage_to_rank))
+    latency = costs.p2p_latency_ms
+    nt = plan.num_owners
+    waits = flow.waits.get("early", {})
+    # stage 0's inputs: given for the overflow micro-batches of other owners (not placed yet), after
+    # the first-round preprocess (at the start of the owner's list) for the others; made in line on
+    # stage 0's rank for its own
+    inputs = {j: (preprocess.F + latency if j < nt else 0.0) for j in range(plan.num_microbatches)
+              if plan.owner(j) != zero}
+    pre_backward = {j: preprocess.B + (preprocess.F if plan.backward == "recompute" and plan.owner(j) != zero else 0.0)
+                    for j in range(plan.num_microbatches)
+                    if plan.backward is not None and (plan.owner(j) == zero or plan.backward == "recompute")}
+    durations = _durations(flow, costs)
+    # stage 0's steps: the forward of j waits for its input (or runs its preprocess right before,
+    # on stage 0's rank), the backward of j runs the preprocess backward right after
+    forward_of: dict[int, int] = {}
+    backward_of: dict[int, float] = {}
+    for k, step in enumerate(flow.items.get(zero, ())):
+        for part in step.parts:
+            if part.stage_index == 0 and part.meta_type is _T.FWD:
+                forward_of[k] = part.micro_index
+            elif part.stage_index == 0 and part.meta_type in (_T.BWD, _T.BWD_INPUT):
+                backward_of[k] = pre_backward.get(part.micro_index, 0.0)
+    delay: dict[DataKey, float] = {}  # a value made on another rank arrives this much later
+    per_stage: dict[tuple, float] = {}
+    for key in flow.natural:
+        kind_stage = key[:2]
+        found = per_stage.get(kind_stage)
+        if found is None:
+            found = per_stage[kind_stage] = costs.message_time(key)
+        delay[key] = found
+    made: dict[DataKey, float] = {}
+    waiting: dict[DataKey, list[int]] = {}
+    reached: dict[int, list[float]] = {q: [] for q in flow.items}
+    start: dict[int, list[float]] = {q: [] for q in flow.items}
+    need: dict[int, float] = {}
+    cursor = dict.fromkeys(flow.items, 0)
+    clock = {q: (preprocess.F if q == zero or q < nt and plan.owner(q) == q else 0.0) for q in flow.items}
+    ready = list(flow.items)
+    while ready:
+        q = ready.pop()
+        k, needs, makes, times, now = cursor[q], flow.needs[q], flow.makes[q], durations[q], clock[q]
+        arrive, begin_at = reached[q], start[q]
+        extra = waits.get(q, {})
+        stage0 = q == zero
+        blocked = None
+        end_k = len(needs)
+        while k < end_k:
+            more = extra.get(k)
+            if more:
+                for key in more:  # a metadata receive waiting in the gap before step k
+                    at = made.get(key)
+                    if at is None:
+                        blocked = key
+                        break
+                    at += delay.get(key, latency)
+                    if at > now:
+                        now = at
+                if blocked is not None:
+                    break
+            begin = now
+            for key in needs[k]:
+                at = made.get(key)
+                if at is None:
+                    blocked = key
+                    break
+                d = delay.get(key)
+                if d is not None:
+                    at += d
+                if at > begin:
+                    begin = at
+            if blocked is not None:
+                break
+            end_extra = 0.0
+            if stage0:
+                j = forward_of.get(k)
+                if j is not None:
+                    if j in inputs:
+                        begin = max(begin, inputs[j])
+                        need[j] = begin
+                    elif j != 0:  # stage 0's rank preprocesses its own micro-batch right before (0: first of all)
+                        now += preprocess.F
+                        begin = max(begin, now)
+                end_extra = backward_of.get(k, 0.0)
+            arrive.append(now)
+            begin_at.append(begin)
+            end = begin + times[k] + end_extra
+            for key in makes[k]:
+                made[key] = end
+                woken = waiting.pop(key, None)
+                if woken:
+                    ready += woken
+            now = end
+            k += 1
+        if blocked is not None:
+            waiting.setdefault(blocked, []).append(q)
+        cursor[q], clock[q] = k, now
+    if any(cursor[q] < len(items) for q, items in flow.items.items()):
+        return None
+    return JobTiming(reached, start, need)
+
+
+def _durations(flow: Flow, costs: CostModel) -> dict[int, list[float]]:
+    """Each compute step's time (one cost look-up per step kind and stage)."""
+    known: dict[tuple, float] = {}
+    out: dict[int, list[float]] = {}
+    for q, items in flow.items.items():
+        times = []
+        for step in items:
+            key = (step.meta_type, step.stage_index)
+            found = None if step.meta_type.is_overlap else known.get(key)
+            if found is None:
+                found = costs.step_time(step)
+                if not step.meta_type.is_overlap:
+                    known[key] = found
+            times.append(found)
+        out[q] = times
+    return out
+
+
+def overflow_places(timing: JobTiming, plan: MPipePlan, zero: int, preprocess: StageCost, latency: float,
+                    owners: set[int] | None = None) -> dict[int, int]:
+    """Overflow micro-batch -> index of the owner's compute step its preprocess goes before (-1:
+    before the owner's first step), for the owners in ``owners`` (default: all); see the module
+    docstring."""
+    places: dict[int, int] = {}
+    by_owner: dict[int, list[int]] = {}
+    for j in overflow_micros(plan, zero):
+        by_owner.setdefault(plan.owner(j), []).append(j)
+    for owner, micros in by_owner.items():
+        if owners is not None and owner not in owners:
+            continue
+        reached, start = timing.reached[owner], timing.start[owner]
+        idle = {k: start[k] - reached[k] for k in range(len(start)) if start[k] - reached[k] > _EPS}
+        delays: list[tuple[int, float, float]] = []  # (step index, time it pushes later steps back, its time)
+        for j in micros:
+            latest = timing.need[j] - preprocess.F - latency
+            # the last step the owner reaches in time, with the delays of the preprocesses placed so far
+            last = bisect_right(reached, latest + _EPS) - 1
+            while last >= 0 and reached[last] + _delay(delays, last) > latest + _EPS:
+                last -= 1
+            if last < 0:
+                places[j] = -1
+                continue
+            best, best_score = last, 0.0
+            for k in sorted((k for k in idle if k <= last), reverse=True):
+                score = min(idle[k], preprocess.F)
+                if score > best_score + _EPS:
+                    best, best_score = k, score
+            filled = min(idle.get(best, 0.0), preprocess.F)
+            if best in idle:
+                idle[best] -= filled
+                if idle[best] <= _EPS:
+                    del idle[best]
+            delays.append((best, preprocess.F - filled, preprocess.F))
+            places[j] = best
+    return places
+
+
+def _delay(delays: list[tuple[int, float, float]], index: int) -> float:
+    """How much the preprocesses placed so far push back the owner's arrival at step ``index``
+    (those placed before that very step run first, all of their time)."""
+    return sum(pushed if k < index else length for k, pushed, length in delays if k <= index)
+
+
+def preprocess_costs(plan: MPipePlan, stage_to_rank: dict[int, int], costs: CostModel | None,
+                     preprocess: StageCost | None) -> tuple[CostModel, StageCost]:
+    """The body's costs (default: one rank's share of the body costs F = 1, B = 2) and the
+    preprocess's (default: one rank's share of the body; nothing for the dataload-only mode)."""
+    num_stages = len(stage_to_rank)
+    if costs is None:
+        costs = CostModel.per_rank_share(plan.num_ranks, max(1, num_stages // plan.num_ranks))
+    costs = costs.for_stages(num_stages)
+    if preprocess is None:
+        share = [costs.stage(s) for s, r in stage_to_rank.items() if r == stage_to_rank[0]]
+        preprocess = StageCost(F=sum(s.F for s in share), B=sum(s.B for s in share))
+    if not plan.compute:
+        preprocess = StageCost(F=0.0, B=0.0)
+    return costs, preprocess
+
+
+def overflow_slots(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCost,
+                   body: dict[int, list[MetaStep]]) -> dict[int, int] | None:
+    """Overflow micro-batch -> the position in its owner's lowered body list (in ``body``) its
+    preprocess goes before, for the owners in ``body``; None when the job cannot finish."""
+    timing = time_job(flow, plan, costs, preprocess)
+    if timing is None:
+        return None
+    zero = flow.stage_to_rank[0]
+    places = overflow_places(timing, plan, zero, preprocess, costs.p2p_latency_ms, set(body))
+    positions = {owner: [k for k, step in enumerate(steps) if step.meta_type.is_compute or step.meta_type.is_overlap]
+                 for owner, steps in body.items()}
+    return {j: 0 if k < 0 else positions[plan.owner(j)][k] for j, k in places.items()}
+
+
+def metadata_of(lowered: dict[int, list[MetaStep]]) -> str:
+    """The metadata option lowered lists were made with: "none" without metadata receives, "all"
+    with one for every forward value received, else "first"."""
+    meta = data = 0
+    for steps in lowered.values():
+        for step in steps:
+            for part in step.comm_parts:
+                if part.meta_type is _T.META_RECV:
+                    meta += 1
+                elif part.meta_type is _T.FWD_RECV:
+                    data += 1
+    return "none" if meta == 0 else "all" if meta == data else "first"
