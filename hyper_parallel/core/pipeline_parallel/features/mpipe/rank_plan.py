@@ -5,13 +5,18 @@ runs the whole job in the MPipe timed model (``model.check_mpipe``). A rank need
 and what it depends on is small:
 
 - the body lists (``lowering/rank_plan.plain_lists``, one flow of the job read once) of this
-  rank and of stage 0's rank, and on stage 0's rank also of the ranks that send it body
-  messages: an MPipe message takes its place among the body messages of its pair of ranks
-  (first in, first out), and stage 0's forward positions bound where a receive may go;
+  rank, and of stage 0's rank where this rank exchanges body messages with it: an MPipe message
+  takes its place among the body messages of its pair of ranks (first in, first out). Stage 0's
+  rank also needs the ranks it exchanges body messages with, but only the order of their compute
+  steps and messages, which their plainest lowering has. A rank with no body message to or from
+  stage 0's rank needs of stage 0's list only its MPipe steps and forward positions, which the
+  compute list gives;
 - the places of the overflow preprocesses of those owners, from one timed run of the compute
   job (``placement.py``), which the whole-job path takes too; the same run proves that they
   make no deadlock (``placement.py`` says why), and, with the body's own proof (``flow.py``),
-  that the job finishes on the eager engine;
+  that the job finishes on the eager engine. Without overflow micro-batches every preprocess
+  runs first on its owner or in line on stage 0's rank, and a preprocess backward on an owner
+  comes after all its body steps: no wait they add can close a cycle;
 - ``plan.insert_mpipe_steps`` on those lists: the same code as the whole job's, so this rank's
   list is the one the whole-job path makes for it.
 
