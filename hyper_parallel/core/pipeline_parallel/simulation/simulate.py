@@ -30,6 +30,8 @@ from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, legacy_costs
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType, Schedule
+from hyper_parallel.core.pipeline_parallel.simulation.fast_timed import run_timed_fast
+from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import lazy_records, records_or_source
 from hyper_parallel.core.pipeline_parallel.simulation.timed_model import run_timed
 from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError
 
@@ -38,11 +40,12 @@ DEFAULT_COSTS: dict[MetaStepType, float] = {_T.FWD: 1.0, _T.BWD: 2.0, _T.BWD_INP
 """Per-type costs used when none are given (every stage the same)."""
 
 
+@lazy_records
 @dataclass
 class SimulationResult:
     """What `simulate` predicts (see the module docstring). ``timeline[rank]`` lists
     ``(start, end, step)`` of the compute steps; ``records`` is the trace of all ranks in the
-    measured-trace format of ``trace.py`` (times in milliseconds here)."""
+    measured-trace format of ``trace.py`` (times in milliseconds here; made on first use)."""
 
     makespan: float
     bubble_fraction: float
@@ -106,9 +109,14 @@ def simulate(
     table = _cost_model(costs, comm_cost, len(stage_to_rank))
     lowered = any(s is not None and s.meta_type.is_comm for steps in schedule.values() for s in steps)
     runtime = table.runtime  # present, even all 0: simulate as the runtime runs (monotonic from 0)
-    step_time = table.step_time if runtime is None else _as_the_runtime_runs(table)
-    outcome = run_timed(schedule, stage_to_rank, step_time, table.message_time, lowered=lowered,
-                        model=model, wait_at_post=wait_at_post, runtime=runtime)
+    outcome = None
+    if runtime is None:  # the same run on compiled lists (fast_timed.py); None: the exact model must run
+        outcome = run_timed_fast(schedule, stage_to_rank, table.step_time, _link_time(table), lowered=lowered,
+                                 model=model, wait_at_post=wait_at_post)
+    if outcome is None:
+        step_time = table.step_time if runtime is None else _as_the_runtime_runs(table)
+        outcome = run_timed(schedule, stage_to_rank, step_time, table.message_time, lowered=lowered,
+                            model=model, wait_at_post=wait_at_post, runtime=runtime)
     if not outcome.finished:
         lines = []
         marks = []
@@ -120,7 +128,14 @@ def simulate(
         stuck = ", ".join(str(rank) for rank in sorted(outcome.stuck))
         raise ScheduleError(f"simulation cannot finish: ranks {stuck} wait forever\n" + "\n".join(lines),
                             schedule, marks)
-    return _summarize(schedule, outcome.compute, outcome.finish, outcome.records, table)
+    return _summarize(schedule, outcome.compute, outcome.finish, records_or_source(outcome), table)
+
+
+def _link_time(table: CostModel) -> Any:
+    """``CostModel.message_time`` by (kind, stage): it does not depend on the micro-batch."""
+    def link_time(kind: str, stage: int) -> float:
+        return table.message_time((kind, stage, 0))
+    return link_time
 
 
 def _as_the_runtime_runs(table: CostModel) -> Any:
@@ -144,7 +159,7 @@ def _position_of(steps: list[MetaStep | None], index: int) -> int:
     return max(len(steps) - 1, 0)
 
 
-def _summarize(schedule: Schedule, timeline: dict, finish: dict[int, float], records: list, costs: CostModel,
+def _summarize(schedule: Schedule, timeline: dict, finish: dict[int, float], records: Any, costs: CostModel,
                ) -> SimulationResult:
     makespan = max(finish.values(), default=0.0)
     busy = {rank: sum(end - start for start, end, _ in timeline[rank]) for rank in timeline}
@@ -163,36 +178,65 @@ def peak_activations(steps: list[MetaStep | None]) -> int:
     for step in steps:
         if step is None:
             continue
-        kinds = [part.meta_type for part in step.parts]
-        live += kinds.count(_T.FWD)
-        peak = max(peak, live)
-        live -= kinds.count(_T.BWD) + kinds.count(_T.BWD_WEIGHT)
+        kind = step.meta_type
+        if kind is _T.FWD:
+            live += 1
+            if live > peak:
+                peak = live
+        elif kind is _T.BWD or kind is _T.BWD_WEIGHT:
+            live -= 1  # never above the peak: the count only rose at a forward
+        elif kind.is_overlap:
+            kinds = [part.meta_type for part in step.parts]
+            live += kinds.count(_T.FWD)
+            peak = max(peak, live)
+            live -= kinds.count(_T.BWD) + kinds.count(_T.BWD_WEIGHT)
     return peak
 
 
 def peak_activation_bytes(steps: list[MetaStep | None], costs: CostModel) -> float:
     """Like `peak_activations`, in bytes: a forward holds its stage's ``activation_bytes``,
     after its I only ``activation_bytes_after_input``, nothing after B or W."""
+    held = {k: (s.activation_bytes, s.activation_bytes - s.activation_bytes_after_input, s.activation_bytes_after_input)
+            for k, s in enumerate(costs.stages)}  # what F adds, I frees, W frees
     live = peak = 0.0
     for step in steps:
         if step is None:
             continue
-        parts = step.parts
-        for part in parts:
-            if part.meta_type is _T.FWD:
-                live += costs.stage(part.stage_index).activation_bytes
-        peak = max(peak, live)
-        for part in parts:
-            stage = costs.stage(part.stage_index) if part.stage_index is not None else None
-            if stage is None:
-                continue
-            if part.meta_type is _T.BWD:
-                live -= stage.activation_bytes
-            elif part.meta_type is _T.BWD_INPUT:
-                live -= stage.activation_bytes - stage.activation_bytes_after_input
-            elif part.meta_type is _T.BWD_WEIGHT:
-                live -= stage.activation_bytes_after_input
+        kind = step.meta_type
+        if kind.is_overlap or (kind.is_compute and step.stage_index not in held):
+            live, peak = _held_after(step, costs, live, peak)
+            continue
+        if kind is _T.FWD:
+            live += held[step.stage_index][0]
+        if live > peak:  # as max(peak, live), at every step: an I may free less than nothing
+            peak = live
+        if kind is _T.BWD:
+            live -= held[step.stage_index][0]
+        elif kind is _T.BWD_INPUT:
+            live -= held[step.stage_index][1]
+        elif kind is _T.BWD_WEIGHT:
+            live -= held[step.stage_index][2]
     return peak
+
+
+def _held_after(step: MetaStep, costs: CostModel, live: float, peak: float) -> tuple[float, float]:
+    """One step of `peak_activation_bytes`, part by part (OVERLAP pairs, stages without costs)."""
+    parts = step.parts
+    for part in parts:
+        if part.meta_type is _T.FWD:
+            live += costs.stage(part.stage_index).activation_bytes
+    peak = max(peak, live)
+    for part in parts:
+        stage = costs.stage(part.stage_index) if part.stage_index is not None else None
+        if stage is None:
+            continue
+        if part.meta_type is _T.BWD:
+            live -= stage.activation_bytes
+        elif part.meta_type is _T.BWD_INPUT:
+            live -= stage.activation_bytes - stage.activation_bytes_after_input
+        elif part.meta_type is _T.BWD_WEIGHT:
+            live -= stage.activation_bytes_after_input
+    return live, peak
 
 
 # ---------------------------------------------------------------------- whole chain

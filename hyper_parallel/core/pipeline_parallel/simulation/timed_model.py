@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule, consumer_stage, consumes, message_key, produces
 from hyper_parallel.core.pipeline_parallel.lowering.job_model import MODELS, producer_text
+from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import lazy_records
 from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RuntimeCosts
 
 Record = dict
@@ -66,11 +67,13 @@ class _Group:
     completed: float | None = None
 
 
+@lazy_records
 @dataclass
 class TimedOutcome:
     """What a timed run found. ``compute[rank]`` lists ``(start, end, step)`` of the compute
     steps; ``records`` the trace records of all ranks (compute, p2p-issue, p2p-wait on the
-    ranks' threads, and ``p2p`` for each message in flight); ``finish[rank]`` is when the rank
+    ranks' threads, and ``p2p`` for each message in flight; sorted by rank, start and end; the
+    fast run of ``fast_timed.py`` makes them on first use); ``finish[rank]`` is when the rank
     was done; ``stuck`` as in ``job_model.JobOutcome``."""
 
     compute: dict[int, list[tuple[float, float, MetaStep]]]

@@ -81,7 +81,7 @@ def ascii_chart(
     head = f"rank {max(result.timeline, default=0)}"
     indent = len(head) + 2
     footer = _footer(result)
-    if mode in ("auto", "full", "wrap"):
+    if mode in ("full", "wrap") or (mode == "auto" and not _surely_compact(result.makespan, unit, width, indent)):
         ncells, cell, rows = _full_rows(result, unit)
         fits = indent + ncells * cell <= width
         blocks = math.ceil(ncells * cell / max(cell, (width - indent) // cell * cell))
@@ -107,6 +107,14 @@ def ascii_chart(
         body = [_ruler(ncells, 1, slot, len(head), every=10), *_row_lines(rows, head)]
         return "\n".join([*body, legend, footer])
     return _wrapped(rows, ncells, 1, slot, head, per_block, legend + "\n" + footer, every=10)
+
+
+def _surely_compact(makespan: float, unit: float, width: int, indent: int) -> bool:
+    """Whether ``auto`` must end compact without laying out the full chart: it has at least
+    ``ceil(makespan / unit)`` cells of at least 2 characters, so it takes at least
+    ``ceil(2 * cells / max(2, width - indent))`` blocks, which must not be more than 3."""
+    cells = math.ceil(makespan / unit - 1e-9)
+    return math.ceil(2 * cells / max(2, width - indent)) > _MAX_WRAPPED_BLOCKS
 
 
 def _footer(result: SimulationResult) -> str:
