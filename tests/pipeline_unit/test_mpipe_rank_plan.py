@@ -176,3 +176,27 @@ def test_what_the_pass_cannot_plan_is_left_to_the_whole_job_path():
     stuck = {r: list(steps) for r, steps in compute.items()}
     stuck[1].reverse()  # backwards before their forwards: the job cannot finish
     assert plan_mpipe_rank(stuck, placement, 0, plan, metadata="first", prefetch=False) is None
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-12])
+def test_no_deadlock_when_steps_take_no_time(scale):
+    """Review finding: with zero (or vanishing) costs every time ties, and places chosen by time
+    alone put a preprocess after a step that waits on the forward it feeds. The clock entries keep
+    it before: the job finishes, and each rank's plan is still the whole job's."""
+    p, v, m = 3, 1, 6
+    plan = MPipePlan(p, m, "full", True, True, "recompute")
+    costs = CostModel(stages=(StageCost(F=scale, B=2 * scale),) * (p * v), p2p_latency_ms=0.0)
+    pre = StageCost(F=0.0, B=0.0)
+    compute, placement, whole = _job(p, v, m, plan, False, False, costs, pre)  # check_mpipe: the job finishes
+    for rank in range(p):
+        assert plan_mpipe_rank(compute, placement, rank, plan, metadata="first", prefetch=False, costs=costs,
+                               preprocess=pre) == whole[rank]
+
+
+def test_no_deadlock_when_a_huge_cost_swamps_the_others():
+    """Review finding: stage 0's backward costing 1e17 makes 1 ms vanish in the sums."""
+    p, v, m = 3, 1, 9
+    plan = MPipePlan(p, m, "full", True, True, "recompute")
+    stages = (StageCost(F=1.0, B=1e17),) + (StageCost(F=1.0, B=2.0),) * (p * v - 1)
+    costs = CostModel(stages=stages, p2p_latency_ms=0.0)
+    _job(p, v, m, plan, False, True, costs, StageCost(F=1.0, B=2.0))

@@ -10,31 +10,37 @@ each step once, woken by the value it waits for), with the MPipe work that does 
 the first-round preprocesses at the start of their owners' lists, stage 0's rank's own
 preprocesses right before the forwards that consume them, its preprocess backwards right after
 the stage-0 backwards, and the metadata waits at the earliest place ``prefetch`` can put them.
-The overflow outputs count as given (not yet placed). It records, for every rank, when it
-reached each compute step and when that step started, and when stage 0 starts each forward.
+The overflow outputs count as given (not yet placed). It records, for every rank and compute
+step, when the rank reached it, when it started, and the last step of stage 0's rank that the
+rank's steps so far follow (a clock entry, as in ``flow.py``); and when stage 0 starts each
+forward.
 
 `overflow_places` then takes each owner's overflow micro-batches in ascending order: ``j`` goes
 before the owner's compute step that leaves most idle time for it (at most the preprocess's
 time; the latest such step on a tie) among those the owner reaches early enough for the output
-to arrive in time (``need - preprocess - latency``); before the owner's first step when none
-does. The time a placed preprocess does not fill delays the owner's later steps in the
-reckoning of the later choices; the idle time it fills is gone for them.
+to arrive in time (``need - preprocess - latency``) and that follow no step of stage 0's rank
+from the forward of ``j`` on; before the owner's first step when none does. The time a placed
+preprocess does not fill delays the owner's later steps in the reckoning of the later choices;
+the idle time it fills is gone for them. Each owner's choices cost O(log n) each (a heap of its
+idle gaps, prefix sums of the delays).
 
-Why the choice cannot deadlock the job: the timed run is an execution of the compute job with
-every wait of the lowered job but the overflow ones. Each placed preprocess adds one wait: the
-stage-0 forward of ``j`` waits for the owner's steps before the chosen one. In the run those
-ended by the time the owner reached the chosen step, no later than ``need - preprocess -
-latency``, which is no later than the forward's start. So the run is still an execution of the
-job with the new waits: every wait goes forward in time, and a cycle of waits would need a
-step to end no later than it starts, with every step on it lasting no time (the body's steps
-last a positive time). The first-in-first-out rule of a channel only moves a send earlier
-(`plan.insert_mpipe_steps`), which removes waits. Sends never wait on gloo's eager engine and
-receives are posted without waiting there, so the waits above are all the job has.
+Why the choices cannot deadlock the job, whatever the costs: a placed preprocess adds one wait,
+stage 0's forward of ``j`` (index ``i`` on its rank) on the owner's steps before the chosen one,
+and the clock entry of those steps is below ``i``: none of them follows that forward. Clock
+entries are computed in the job without the new waits; adding a wait into step ``i`` of stage
+0's rank from steps whose entries are below ``i`` changes no entry (a step of that rank follows
+itself). A cycle of waits would have to come back into some such step ``i`` either along a wait
+of the job, which would be a cycle there, or along a new wait, whose source then follows step
+``i`` and so has an entry of at least ``i``: both impossible. The first-in-first-out rule of a
+channel only moves a send earlier (`plan.insert_mpipe_steps`), which removes waits. Sends never
+wait on gloo's eager engine and receives are posted without waiting there, so the waits above
+are all the job has; the times only choose among safe places.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
+from heapq import heappop, heappush
 from dataclasses import dataclass
 
 from hyper_parallel.core.pipeline_parallel.features.mpipe.plan import MPipePlan, overflow_micros
@@ -49,12 +55,15 @@ _EPS = 1e-9
 @dataclass
 class JobTiming:
     """One timed run of the compute job: per rank and compute step, when the rank reached it
-    (after its metadata waits) and when it started; per overflow micro-batch, when stage 0's
-    forward of it started."""
+    (after its metadata waits), when it started, and the last step of stage 0's rank it follows
+    (-1: none) when the rank reaches it; per overflow micro-batch, when stage 0's forward of it
+    started and that forward's index in stage 0's rank's compute list."""
 
     reached: dict[int, list[float]]
     start: dict[int, list[float]]
+    after_zero: dict[int, list[int]]
     need: dict[int, float]
+    forward_index: dict[int, int]
 
 
 def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCost) -> JobTiming | None:
@@ -92,22 +101,27 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
             found = per_stage[kind_stage] = costs.message_time(key)
         delay[key] = found
     made: dict[DataKey, float] = {}
+    follows: dict[DataKey, int] = {}  # value -> the last step of stage 0's rank its making follows
     waiting: dict[DataKey, list[int]] = {}
     reached: dict[int, list[float]] = {q: [] for q in flow.items}
     start: dict[int, list[float]] = {q: [] for q in flow.items}
+    after_zero: dict[int, list[int]] = {q: [] for q in flow.items}
     need: dict[int, float] = {}
+    forward_index = {j: k for k, j in forward_of.items() if j in inputs}
     cursor = dict.fromkeys(flow.items, 0)
     clock = {q: (preprocess.F if q == zero or q < nt and plan.owner(q) == q else 0.0) for q in flow.items}
+    entry = dict.fromkeys(flow.items, -1)
     ready = list(flow.items)
     while ready:
         q = ready.pop()
-        k, needs, makes, times, now = cursor[q], flow.needs[q], flow.makes[q], durations[q], clock[q]
-        arrive, begin_at = reached[q], start[q]
+        k, needs, makes, times, now, last = cursor[q], flow.needs[q], flow.makes[q], durations[q], clock[q], entry[q]
+        arrive, begin_at, after = reached[q], start[q], after_zero[q]
         extra = waits.get(q, {})
         stage0 = q == zero
         blocked = None
         end_k = len(needs)
         while k < end_k:
+            now_before, last_before = now, last  # kept if step k must wait: it runs again from here
             more = extra.get(k)
             if more:
                 for key in more:  # a metadata receive waiting in the gap before step k
@@ -118,8 +132,12 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
                     at += delay.get(key, latency)
                     if at > now:
                         now = at
+                    if follows[key] > last:
+                        last = follows[key]
                 if blocked is not None:
+                    now, last = now_before, last_before
                     break
+            preprocess_may_follow = last  # a preprocess put before step k runs after these waits
             begin = now
             for key in needs[k]:
                 at = made.get(key)
@@ -131,7 +149,10 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
                     at += d
                 if at > begin:
                     begin = at
+                if follows[key] > last:
+                    last = follows[key]
             if blocked is not None:
+                now, last = now_before, last_before
                 break
             end_extra = 0.0
             if stage0:
@@ -146,9 +167,13 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
                 end_extra = backward_of.get(k, 0.0)
             arrive.append(now)
             begin_at.append(begin)
+            after.append(preprocess_may_follow)
             end = begin + times[k] + end_extra
+            if stage0:
+                last = k
             for key in makes[k]:
                 made[key] = end
+                follows[key] = last
                 woken = waiting.pop(key, None)
                 if woken:
                     ready += woken
@@ -156,10 +181,10 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
             k += 1
         if blocked is not None:
             waiting.setdefault(blocked, []).append(q)
-        cursor[q], clock[q] = k, now
+        cursor[q], clock[q], entry[q] = k, now, last
     if any(cursor[q] < len(items) for q, items in flow.items.items()):
         return None
-    return JobTiming(reached, start, need)
+    return JobTiming(reached, start, after_zero, need, forward_index)
 
 
 def _durations(flow: Flow, costs: CostModel) -> dict[int, list[float]]:
@@ -190,39 +215,87 @@ def overflow_places(timing: JobTiming, plan: MPipePlan, zero: int, preprocess: S
     for j in overflow_micros(plan, zero):
         by_owner.setdefault(plan.owner(j), []).append(j)
     for owner, micros in by_owner.items():
-        if owners is not None and owner not in owners:
-            continue
-        reached, start = timing.reached[owner], timing.start[owner]
-        idle = {k: start[k] - reached[k] for k in range(len(start)) if start[k] - reached[k] > _EPS}
-        delays: list[tuple[int, float, float]] = []  # (step index, time it pushes later steps back, its time)
-        for j in micros:
-            latest = timing.need[j] - preprocess.F - latency
-            # the last step the owner reaches in time, with the delays of the preprocesses placed so far
-            last = bisect_right(reached, latest + _EPS) - 1
-            while last >= 0 and reached[last] + _delay(delays, last) > latest + _EPS:
-                last -= 1
-            if last < 0:
-                places[j] = -1
-                continue
-            best, best_score = last, 0.0
-            for k in sorted((k for k in idle if k <= last), reverse=True):
-                score = min(idle[k], preprocess.F)
-                if score > best_score + _EPS:
-                    best, best_score = k, score
-            filled = min(idle.get(best, 0.0), preprocess.F)
-            if best in idle:
-                idle[best] -= filled
-                if idle[best] <= _EPS:
-                    del idle[best]
-            delays.append((best, preprocess.F - filled, preprocess.F))
-            places[j] = best
+        if owners is None or owner in owners:
+            places.update(_owner_places(timing, owner, micros, preprocess.F, latency))
     return places
 
 
-def _delay(delays: list[tuple[int, float, float]], index: int) -> float:
-    """How much the preprocesses placed so far push back the owner's arrival at step ``index``
-    (those placed before that very step run first, all of their time)."""
-    return sum(pushed if k < index else length for k, pushed, length in delays if k <= index)
+def _owner_places(timing: JobTiming, owner: int, micros: list[int], length: float, latency: float
+                  ) -> dict[int, int]:
+    """`overflow_places` for one owner: its micro-batches in ascending order."""
+    reached, start, after_zero = timing.reached[owner], timing.start[owner], timing.after_zero[owner]
+    idle = [max(0.0, b - a) for a, b in zip(reached, start)]
+    pushed = _Fenwick(len(reached))  # time each placed preprocess pushes the owner's later steps back
+    placed_at: dict[int, float] = {}  # step index -> time of the preprocesses placed right before it
+    candidates: list[tuple[float, int]] = []  # max-heap of (-idle, -index) of the steps seen so far
+    seen = 0
+    places: dict[int, int] = {}
+    for j in micros:
+        latest = timing.need[j] - length - latency
+        # the steps the owner reaches in time (with the delays of the preprocesses placed so far),
+        # none of them after a step that follows stage 0's forward of j (which would wait on it)
+        last = min(bisect_right(reached, latest + _EPS), bisect_left(after_zero, timing.forward_index[j])) - 1
+        while last >= 0 and reached[last] + pushed.before(last) + placed_at.get(last, 0.0) > latest + _EPS:
+            last -= 1
+        if last < 0:
+            places[j] = -1
+            continue
+        while seen <= last:
+            if idle[seen] > _EPS:
+                heappush(candidates, (-min(idle[seen], length), -seen))
+            seen += 1
+        best = _best_gap(candidates, last, idle, length) if length > _EPS else last
+        filled = min(idle[best], length)
+        idle[best] -= filled
+        if idle[best] > _EPS:
+            heappush(candidates, (-min(idle[best], length), -best))
+        pushed.add(best, length - filled)
+        placed_at[best] = placed_at.get(best, 0.0) + length
+        places[j] = best
+    return places
+
+
+def _best_gap(candidates: list[tuple[float, int]], last: int, idle: list[float], length: float) -> int:
+    """The step up to ``last`` with the most idle time before it, counted up to ``length`` (the
+    latest of those on a tie; ``last`` when none is idle). ``candidates`` holds ``(-min(idle,
+    length), -index)`` of the idle steps seen so far; entries of gaps used since are dropped, the
+    chosen one is taken off (the caller puts it back with what is left of it)."""
+    beyond: list[tuple[float, int]] = []
+    best = last
+    while candidates:
+        score, index = candidates[0]
+        k = -index
+        if min(idle[k], length) != -score or idle[k] <= _EPS:  # used since it was put there
+            heappop(candidates)
+        elif k > last:  # beyond this micro-batch's reach: kept for later ones
+            beyond.append(heappop(candidates))
+        else:
+            best = k
+            heappop(candidates)
+            break
+    for item in beyond:
+        heappush(candidates, item)
+    return best
+
+
+class _Fenwick:
+    """Prefix sums over step indices: ``add(i, x)``, ``before(i)`` = sum over indices below ``i``."""
+
+    def __init__(self, size: int) -> None:
+        self.tree = [0.0] * (size + 1)
+
+    def add(self, index: int, value: float) -> None:
+        index += 1
+        while index < len(self.tree):
+            self.tree[index] += value
+            index += index & -index
+
+    def before(self, index: int) -> float:
+        total = 0.0
+        while index > 0:
+            total += self.tree[index]
+            index -= index & -index
+        return total
 
 
 def preprocess_costs(plan: MPipePlan, stage_to_rank: dict[int, int], costs: CostModel | None,

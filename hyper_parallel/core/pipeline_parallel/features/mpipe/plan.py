@@ -31,6 +31,7 @@ ranks on both sides: a send goes earlier until its receive fits before its consu
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -230,7 +231,7 @@ def _fifo_slot(send_slot: int, sends: list[int], recvs: list[int], deadline: int
     receive, at the matching place among the body's receives of the pair, comes no later than
     ``deadline``; returns (send slot, receive slot)."""
     while True:
-        before = sum(1 for k in sends if k < send_slot)
+        before = bisect_left(sends, send_slot)  # sends are in list order
         recv_slot = 0 if before == 0 else recvs[before - 1] + 1
         if recv_slot <= deadline:
             return send_slot, recv_slot
@@ -250,8 +251,10 @@ def insert_mpipe_steps(lowered: Lowered, stage_to_rank: dict[int, int], plan: MP
     ``overflow_slots`` may choose where an overflow micro-batch's preprocess goes on its owner
     (before that body position; the FIFO rule may still move it earlier); ``placement.py``
     chooses them from a timed run. ``partial``: ``lowered`` holds some ranks only, stage 0's
-    among them, and no rank left out has a body channel with stage 0's rank (so its MPipe
-    messages come first on their channel); only the lists given are made.
+    among them, and only the lists given are made. An owner's list is right when stage 0's is
+    given; stage 0's list is right only when every rank it exchanges body messages with is
+    given (the MPipe receives from a rank left out go first, as if its channel had no body
+    message).
     """
     plan = plan.with_backward(forward_only)
     overflow_slots = overflow_slots or {}
@@ -275,6 +278,7 @@ def insert_mpipe_steps(lowered: Lowered, stage_to_rank: dict[int, int], plan: MP
 
     first_local = min(plan.owned(zero))  # always 0: micro-batch 0 is stage 0's rank's own
     pf_slot: dict[int, int] = {}
+    own_forwards: dict[int, dict[int, int]] = {}  # owner -> its first chunk's forward positions
     for j in range(m):
         owner = plan.owner(j)
         if owner == zero:
@@ -286,7 +290,10 @@ def insert_mpipe_steps(lowered: Lowered, stage_to_rank: dict[int, int], plan: MP
         elif j in overflow_slots:
             pf_slot[j] = overflow_slots[j]
         else:  # overflow of "full": a round ahead, before the owner's chunk-0 forward of j - NT
-            pf_slot[j] = _index(steps[owner], (_T.FWD,), min(s for s, r in stage_to_rank.items() if r == owner))[j - nt]
+            if owner not in own_forwards:
+                own_forwards[owner] = _index(steps[owner], (_T.FWD,),
+                                             min(s for s, r in stage_to_rank.items() if r == owner))
+            pf_slot[j] = own_forwards[owner][j - nt]
     for owner in steps:
         if owner == zero:
             continue
@@ -313,13 +320,13 @@ def insert_mpipe_steps(lowered: Lowered, stage_to_rank: dict[int, int], plan: MP
             put(zero, after_b, _T.PRE_GRAD_SEND, j)
             if owner not in steps:
                 continue
-            back = [k for k in sends.get((zero, owner), []) if k < after_b]
+            back = bisect_left(sends.get((zero, owner), []), after_b)  # body messages sent to it before
             pair_recvs = recvs.get((zero, owner), [])
-            slot = max(pf_slot[j], pair_recvs[len(back) - 1] + 1 if back else 0)
-            if len(back) < len(pair_recvs) and slot > pair_recvs[len(back)]:
+            slot = max(pf_slot[j], pair_recvs[back - 1] + 1 if back else 0)
+            if back < len(pair_recvs) and slot > pair_recvs[back]:
                 raise ScheduleError(
                     f"MPipe: rank {owner} must post RECV_PG.m{j} after PF.m{j} and before its receive of body message "
-                    f"#{len(back) + 1} from rank {zero}, which comes first", lowered, [])
+                    f"#{back + 1} from rank {zero}, which comes first", lowered, [])
             put(owner, slot, _T.PRE_GRAD_RECV, j)
             put(owner, len(steps[owner]), _T.PRE_BWD, j)
     out: Lowered = {}
