@@ -42,9 +42,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from operator import attrgetter
 from dataclasses import dataclass, field
 
-from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule, consumer_stage, consumes, message_key, produces
+from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule, message_key
+from hyper_parallel.core.pipeline_parallel.lowering.comm_steps import PAIRS, PartComms, comm_step, counterpart, part_comms, peer_rank
 from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc
 from hyper_parallel.core.pipeline_parallel.lowering.job_model import note_finished, run_job
 from hyper_parallel.core.pipeline_parallel.lowering.levels import lower_by_levels
@@ -53,37 +55,6 @@ TRANSPORTS = ("plain", "batch")
 METADATA = ("none", "first", "all")
 
 _T = MetaStepType
-
-
-def peer_rank(op: MetaStep, stage_to_rank: dict[int, int]) -> int:
-    """Rank on the other side of a send/recv step, from the conventions above."""
-    if op.stage_index is None or not (op.meta_type.is_send or op.meta_type.is_recv):
-        raise ValueError(f"{op} is not a send/recv step with a stage")
-    peer_stage = op.stage_index + (1 if op.meta_type.towards_next else -1)
-    if peer_stage not in stage_to_rank:
-        raise ValueError(f"{op} has no peer: stage {peer_stage} does not exist")
-    return stage_to_rank[peer_stage]
-
-
-_PAIRS = {
-    _T.FWD_SEND: (_T.FWD_RECV, 1),
-    _T.FWD_RECV: (_T.FWD_SEND, -1),
-    _T.META_SEND: (_T.META_RECV, 1),
-    _T.META_RECV: (_T.META_SEND, -1),
-    _T.BWD_SEND: (_T.BWD_RECV, -1),
-    _T.BWD_RECV: (_T.BWD_SEND, 1),
-}
-
-
-def counterpart(op: MetaStep) -> MetaStep:
-    """The step on the peer that matches a send/recv: SEND_F.s<s> <-> RECV_F.s<s+1>,
-    SEND_META.s<s> <-> RECV_META.s<s+1>, SEND_B.s<s> <-> RECV_B.s<s-1> (same micro-batch)."""
-    if op.stage_index is None:
-        raise ValueError(f"{op} has no stage")
-    if op.meta_type not in _PAIRS:
-        raise ValueError(f"{op} is not a send/recv step")
-    kind, shift = _PAIRS[op.meta_type]
-    return MetaStep(op.micro_index, kind, op.stage_index + shift)
 
 
 @dataclass(eq=False, slots=True)
@@ -102,7 +73,7 @@ class _Recv:
 @dataclass
 class _FifoPlan:
     """A rank's receives by FIFO channel (peer, data or metadata), each in its sender's order, and
-    its data / metadata receives with the data message each belongs to."""
+    its metadata receives and the data receives they describe, with the data message of each."""
 
     data_channels: list[list[_Recv]]
     meta_channels: list[list[_Recv]]
@@ -121,6 +92,8 @@ class _RankPlan:
     # gap -> (what its steps depend on, the steps) from the last assembly: lowering assembles a
     # rank many times and moves few receives in between
     assembled: dict[int, tuple[tuple, list[MetaStep]]] = field(default_factory=dict)
+    # gap -> (its metadata sends, its data sends), made on the first assembly (sends are fixed by then)
+    gap_sends: dict[int, tuple[list[MetaStep], list[MetaStep]]] | None = None
 
 
 def lower(
@@ -199,31 +172,25 @@ def _check_stage(step: MetaStep, stage_to_rank: dict[int, int]) -> None:
 
 def _plan_rank(rank: int, steps: list[MetaStep | None], stage_to_rank: dict[int, int]) -> _RankPlan:
     """Natural places: gap g sits before item g; sends of item g go to gap g + 1."""
-    num_stages = len(stage_to_rank)
     plan = _RankPlan(items=[step for step in steps if step is not None])
+    recvs, sends = plan.recvs, plan.sends
+    known: dict[tuple[MetaStepType, int | None, bool], PartComms] = {}  # (kind, stage, no micro) -> its messages
     for index, step in enumerate(plan.items):
         if step.meta_type.is_comm:
             raise ValueError(f"rank {rank}: {step} is already a communication step; lower compute-only lists")
         for part in step.parts:
-            _check_stage(part, stage_to_rank)
-            for key in consumes(part, num_stages):
-                if stage_to_rank.get(key[1], rank) != rank:
-                    kind = _T.FWD_RECV if key[0] == "F" else _T.BWD_RECV
-                    recv = MetaStep(part.micro_index, kind, part.stage_index)
-                    plan.recvs.append(_Recv(peer_rank(recv, stage_to_rank), index, recv))
-            for key in produces(part):
-                peer = _consumer_rank(key, stage_to_rank)
-                if peer is not None and peer != rank:
-                    kind = _T.FWD_SEND if key[0] == "F" else _T.BWD_SEND
-                    send = MetaStep(part.micro_index, kind, part.stage_index)
-                    plan.sends[index + 1].append((peer, send))
+            micro, stage = part.micro_index, part.stage_index
+            comms = known.get((part.meta_type, stage, micro is None))
+            if comms is None:
+                _check_stage(part, stage_to_rank)
+                comms = known[(part.meta_type, stage, micro is None)] = part_comms(part, rank, stage_to_rank)
+            for kind, peer in comms.recvs:
+                recvs.append(_Recv(peer, index, comm_step(micro, kind, stage)))
+            if comms.sends:
+                out = sends[index + 1]
+                for kind, peer in comms.sends:
+                    out.append((peer, comm_step(micro, kind, stage)))
     return plan
-
-
-def _consumer_rank(key: DataKey, stage_to_rank: dict[int, int]) -> int | None:
-    if key[0] not in ("F", "G"):
-        return None
-    return stage_to_rank.get(consumer_stage(key))
 
 
 def _add_metadata(plans: dict[int, _RankPlan], metadata: str) -> None:
@@ -490,28 +457,48 @@ def _number_fifo(plans: dict[int, _RankPlan]) -> None:
     """Give each recv its FIFO index: the place of its send among the sender's messages to this rank
     on the same channel. Sends and receives are fixed once metadata is added, so this runs once;
     the places of receives change many times (``_apply_fifo_order``)."""
-    send_order: dict[tuple[int, int, bool], dict[MetaStep, int]] = defaultdict(dict)
+    # (sender, receiver, metadata channel) -> (micro, kind, stage) of each send (a MetaStep without
+    # sub-steps, as a tuple: hashed in C) -> its place
+    send_order: dict[tuple[int, int, bool], dict[tuple, int]] = defaultdict(dict)
     for rank, plan in plans.items():
         for gap in sorted(plan.sends):
             for peer, send in plan.sends[gap]:
-                order = send_order[(rank, peer, send.meta_type.is_meta)]
-                order.setdefault(send, len(order))
+                kind = send.meta_type
+                order = send_order[(rank, peer, kind.is_meta)]
+                order.setdefault((send.micro_index, kind, send.stage_index), len(order))
+    inf = float("inf")
     for rank, plan in plans.items():
         channels: dict[tuple[bool, int], list[_Recv]] = defaultdict(list)
         for recv in plan.recvs:
-            is_meta = recv.step.meta_type.is_meta
-            sends = send_order.get((recv.peer, rank, is_meta), {})
-            recv.fifo_index = sends.get(counterpart(recv.step), float("inf"))
-            if recv.fifo_index != float("inf"):
+            step = recv.step
+            is_meta = step.meta_type.is_meta
+            sends = send_order.get((recv.peer, rank, is_meta))
+            match, shift = PAIRS[step.meta_type]  # its counterpart
+            index = None if sends is None else sends.get((step.micro_index, match, step.stage_index + shift))
+            recv.fifo_index = inf if index is None else index
+            if index is not None:
                 channels[(is_meta, recv.peer)].append(recv)
         for recvs in channels.values():
-            recvs.sort(key=lambda r: r.fifo_index)
-        plan.fifo = _FifoPlan(
-            data_channels=[recvs for (is_meta, _), recvs in channels.items() if not is_meta],
-            meta_channels=[recvs for (is_meta, _), recvs in channels.items() if is_meta],
-            data_recvs=[(message_key(r.step), r) for r in plan.recvs if not r.step.meta_type.is_meta],
-            meta_recvs=[(("F", *message_key(r.step)[1:]), r) for r in plan.recvs if r.step.meta_type.is_meta],
-        )
+            recvs.sort(key=_BY_FIFO_INDEX)
+        plan.fifo = _fifo_plan(plan.recvs, channels)
+
+
+_BY_FIFO_INDEX = attrgetter("fifo_index")
+
+
+def _fifo_plan(recvs: list[_Recv], channels: dict[tuple[bool, int], list[_Recv]]) -> _FifoPlan:
+    meta_recvs = [(("F", *message_key(r.step)[1:]), r) for r in recvs if r.step.meta_type.is_meta]
+    described = {key for key, _ in meta_recvs}
+    data_recvs = []
+    if described:
+        data_recvs = [(key, r) for r in recvs if not r.step.meta_type.is_meta
+                      for key in (message_key(r.step),) if key in described]
+    return _FifoPlan(
+        data_channels=[recvs for (is_meta, _), recvs in channels.items() if not is_meta],
+        meta_channels=[recvs for (is_meta, _), recvs in channels.items() if is_meta],
+        data_recvs=data_recvs,
+        meta_recvs=meta_recvs,
+    )
 
 
 def _apply_fifo_order(plans: dict[int, _RankPlan]) -> None:
@@ -541,8 +528,10 @@ def _suffix_minimum(recvs: list[_Recv], end: int) -> None:
     """Receives of one FIFO channel, in order: none may be posted after a later one."""
     earliest = end
     for recv in reversed(recvs):
-        earliest = min(earliest, recv.gap)
-        recv.gap = earliest
+        if recv.gap < earliest:
+            earliest = recv.gap
+        else:
+            recv.gap = earliest
 
 
 _Emit = Callable[[list[list[MetaStep]], list[MetaStep]], list[MetaStep]]
@@ -556,28 +545,62 @@ def _assemble_all(plans: dict[int, _RankPlan], emit: _Emit) -> dict[int, list[Me
 
 
 def _assemble(plan: _RankPlan, emit: _Emit) -> list[MetaStep]:
+    """The rank's list: each compute step after the steps of the gap before it (``_gap_steps``);
+    an empty gap has none. With ``_emit_plain``, a gap without a metadata receive is simply its
+    sends, then its receives in order (what ``_gap_slots`` makes of it: one slot)."""
     recvs_at: dict[int, list[_Recv]] = defaultdict(list)
     for recv in plan.recvs:
         recvs_at[recv.gap].append(recv)
+    sends_at = _sends_by_gap(plan)
+    items = plan.items
+    end = len(items)
+    plain = emit is _emit_plain
+    meta_gaps = {recv.gap for _, recv in plan.fifo.meta_recvs} if plain and plan.fifo is not None else None
     out: list[MetaStep] = []
-    cache = plan.assembled
-    no_recvs: list[_Recv] = []
-    for gap in range(len(plan.items) + 1):
-        here = recvs_at.get(gap, no_recvs)
-        # everything _gap_slots reads that may change between assemblies
-        key = (emit, gap in plan.sends_first, tuple((id(r), r.before_meta, r.depends_on) for r in here))
-        cached = cache.get(gap)
-        if cached is not None and cached[0] == key:
-            out += cached[1]
-        else:
-            sends = [send for _, send in plan.sends.get(gap, [])]
-            steps = [send for send in sends if send.meta_type.is_meta]
-            steps += emit(*_gap_slots(plan, gap, [s for s in sends if not s.meta_type.is_meta], here))
-            cache[gap] = (key, steps)
-            out += steps
-        if gap < len(plan.items):
-            out.append(plan.items[gap])
+    done = 0
+    for gap in sorted(gap for gap in recvs_at.keys() | sends_at.keys() if 0 <= gap <= end):
+        out += items[done:gap]
+        done = gap
+        here = recvs_at.get(gap, _NO_RECVS)
+        if meta_gaps is None or gap in meta_gaps:
+            out += _gap_steps(plan, gap, here, emit)
+            continue
+        meta_sends, data_sends = sends_at.get(gap, _NO_SENDS)
+        out += meta_sends
+        out += data_sends
+        if len(here) == 1:
+            out.append(here[0].step)
+        elif here:
+            out += [recv.step for recv in _order_recvs(here)]
+    out += items[done:]
     return out
+
+
+_NO_RECVS: list[_Recv] = []
+_NO_SENDS: tuple[list[MetaStep], list[MetaStep]] = ([], [])
+
+
+def _sends_by_gap(plan: _RankPlan) -> dict[int, tuple[list[MetaStep], list[MetaStep]]]:
+    """gap -> (its metadata sends, its data sends), each in send order."""
+    if plan.gap_sends is None:
+        plan.gap_sends = {gap: ([send for _, send in sends if send.meta_type.is_meta],
+                                [send for _, send in sends if not send.meta_type.is_meta])
+                          for gap, sends in plan.sends.items()}
+    return plan.gap_sends
+
+
+def _gap_steps(plan: _RankPlan, gap: int, here: list[_Recv], emit: _Emit) -> list[MetaStep]:
+    """The steps of one gap: metadata sends first, then what ``emit`` makes of its slots; kept from
+    the last assembly while nothing ``_gap_slots`` reads changed."""
+    key = (emit, gap in plan.sends_first, tuple((id(r), r.before_meta, r.depends_on) for r in here))
+    cached = plan.assembled.get(gap)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    meta_sends, data_sends = _sends_by_gap(plan).get(gap, _NO_SENDS)
+    steps = list(meta_sends)
+    steps += emit(*_gap_slots(plan, gap, data_sends, here))
+    plan.assembled[gap] = (key, steps)
+    return steps
 
 
 def _gap_slots(
