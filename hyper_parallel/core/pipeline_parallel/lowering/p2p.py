@@ -63,7 +63,7 @@ class _Recv:
     natural_gap: int
     step: MetaStep
     needs_meta: bool = False  # a data receive whose shapes come in a RECV_META of this run
-    wanted_gap: int = -1  # natural_gap, or earlier when prefetched or repaired
+    wanted_gap: int = -1  # natural_gap (as made), or earlier when prefetched or repaired
     depends_on: int = -2  # last compute step of this rank its send depends on (-2: unknown, assume its gap)
     before_meta: bool = False  # posted before the metadata receives of its gap
     fifo_index: float = float("inf")
@@ -92,7 +92,7 @@ class _RankPlan:
     # gap -> (what its steps depend on, the steps) from the last assembly: lowering assembles a
     # rank many times and moves few receives in between
     assembled: dict[int, tuple[tuple, list[MetaStep]]] = field(default_factory=dict)
-    # gap -> (its metadata sends, its data sends), made on the first assembly (sends are fixed by then)
+    # gap -> (its metadata sends, its data sends): sends by gap without the peers; None: to be made again
     gap_sends: dict[int, tuple[list[MetaStep], list[MetaStep]]] | None = None
 
 
@@ -124,10 +124,7 @@ def _lower(compute: Schedule, stage_to_rank: dict[int, int], transport: str, met
     for plan in plans.values():
         plan.eager = transport == "plain"
     _add_metadata(plans, metadata)
-    _number_fifo(plans)
-    for plan in plans.values():
-        for recv in plan.recvs:
-            recv.wanted_gap = recv.natural_gap
+    _number_fifo(plans)  # each receive wanted at its natural place, as made
     if prefetch or metadata != "none":  # what each send depends on, sends never waiting
         _use_dependencies(plans, stage_to_rank, _emit_plain, "eager", prefetch and transport == "plain")
     if transport == "plain":
@@ -170,26 +167,39 @@ def _check_stage(step: MetaStep, stage_to_rank: dict[int, int]) -> None:
         raise ValueError(f"step {step}: stage {step.stage_index} is not in stage_to_rank")
 
 
+_SINGLE_PARTS = frozenset({_T.FWD, _T.BWD, _T.BWD_INPUT, _T.BWD_WEIGHT})  # a step that is its only part
+
+
 def _plan_rank(rank: int, steps: list[MetaStep | None], stage_to_rank: dict[int, int]) -> _RankPlan:
     """Natural places: gap g sits before item g; sends of item g go to gap g + 1."""
-    plan = _RankPlan(items=[step for step in steps if step is not None])
-    recvs, sends = plan.recvs, plan.sends
-    known: dict[tuple[MetaStepType, int | None, bool], PartComms] = {}  # (kind, stage, no micro) -> its messages
+    plan = _RankPlan(items=[step for step in steps if step is not None], gap_sends={})
+    recvs, sends, gap_sends = plan.recvs, plan.sends, plan.gap_sends
+    known: dict[tuple[MetaStepType, int | None], PartComms] = {}  # (kind, stage) -> its messages
     for index, step in enumerate(plan.items):
-        if step.meta_type.is_comm:
+        kind = step.meta_type
+        if kind.is_comm:
             raise ValueError(f"rank {rank}: {step} is already a communication step; lower compute-only lists")
-        for part in step.parts:
+        for part in (step,) if kind in _SINGLE_PARTS else step.parts:
             micro, stage = part.micro_index, part.stage_index
-            comms = known.get((part.meta_type, stage, micro is None))
+            comms = known.get((part.meta_type, stage))
             if comms is None:
                 _check_stage(part, stage_to_rank)
-                comms = known[(part.meta_type, stage, micro is None)] = part_comms(part, rank, stage_to_rank)
+                if micro is None:  # no message then (consumes / produces)
+                    continue
+                comms = known[(part.meta_type, stage)] = part_comms(part, rank, stage_to_rank)
+            elif micro is None:
+                continue
             for kind, peer in comms.recvs:
-                recvs.append(_Recv(peer, index, comm_step(micro, kind, stage)))
+                recvs.append(_Recv(peer, index, comm_step(micro, kind, stage), False, index))
             if comms.sends:
-                out = sends[index + 1]
+                with_peers = sends[index + 1]
+                if index + 1 not in gap_sends:
+                    gap_sends[index + 1] = ([], [])
+                data_sends = gap_sends[index + 1][1]
                 for kind, peer in comms.sends:
-                    out.append((peer, comm_step(micro, kind, stage)))
+                    send = comm_step(micro, kind, stage)
+                    with_peers.append((peer, send))
+                    data_sends.append(send)
     return plan
 
 
@@ -210,12 +220,13 @@ def _add_metadata(plans: dict[int, _RankPlan], metadata: str) -> None:
                     carried.add(message_key(send))
                 expanded.append((peer, send))
             plan.sends[gap] = expanded
+        plan.gap_sends = None
     for plan in plans.values():
         recvs = []
         for recv in plan.recvs:
             if recv.step.meta_type is _T.FWD_RECV and message_key(recv.step) in carried:
                 meta = MetaStep(recv.step.micro_index, _T.META_RECV, recv.step.stage_index)
-                recvs.append(_Recv(recv.peer, recv.natural_gap, meta))
+                recvs.append(_Recv(recv.peer, recv.natural_gap, meta, False, recv.natural_gap))
                 recv.needs_meta = True
             recvs.append(recv)
         plan.recvs = recvs
@@ -468,16 +479,25 @@ def _number_fifo(plans: dict[int, _RankPlan]) -> None:
                 order.setdefault((send.micro_index, kind, send.stage_index), len(order))
     inf = float("inf")
     for rank, plan in plans.items():
-        channels: dict[tuple[bool, int], list[_Recv]] = defaultdict(list)
+        channels: dict[tuple[bool, int], list[_Recv]] = {}
+        # (peer, receive kind) -> (the peer's sends to this rank on that channel, the counterpart's kind and
+        # stage shift, the channel's receives)
+        routes: dict[tuple[int, MetaStepType], tuple[dict[tuple, int], MetaStepType, int, list[_Recv]]] = {}
         for recv in plan.recvs:
             step = recv.step
-            is_meta = step.meta_type.is_meta
-            sends = send_order.get((recv.peer, rank, is_meta))
-            match, shift = PAIRS[step.meta_type]  # its counterpart
-            index = None if sends is None else sends.get((step.micro_index, match, step.stage_index + shift))
-            recv.fifo_index = inf if index is None else index
-            if index is not None:
-                channels[(is_meta, recv.peer)].append(recv)
+            route = routes.get((recv.peer, step.meta_type))
+            if route is None:
+                is_meta = step.meta_type.is_meta
+                route = routes[(recv.peer, step.meta_type)] = (
+                    send_order.get((recv.peer, rank, is_meta), {}), *PAIRS[step.meta_type],
+                    channels.setdefault((is_meta, recv.peer), []))
+            sends, match, shift, channel = route
+            index = sends.get((step.micro_index, match, step.stage_index + shift))
+            if index is None:
+                recv.fifo_index = inf
+            else:
+                recv.fifo_index = index
+                channel.append(recv)
         for recvs in channels.values():
             recvs.sort(key=_BY_FIFO_INDEX)
         plan.fifo = _fifo_plan(plan.recvs, channels)
@@ -581,7 +601,7 @@ _NO_SENDS: tuple[list[MetaStep], list[MetaStep]] = ([], [])
 
 
 def _sends_by_gap(plan: _RankPlan) -> dict[int, tuple[list[MetaStep], list[MetaStep]]]:
-    """gap -> (its metadata sends, its data sends), each in send order."""
+    """gap -> (its metadata sends, its data sends), each in send order (made again after ``_add_metadata``)."""
     if plan.gap_sends is None:
         plan.gap_sends = {gap: ([send for _, send in sends if send.meta_type.is_meta],
                                 [send for _, send in sends if not send.meta_type.is_meta])
