@@ -117,6 +117,10 @@ def test_odd_inputs_lower_or_fail_as_before():
     ]
     for k, compute in enumerate(cases):
         _assert_same(compute, placement, ("odd", k))
+    # stages that are not 0 to n - 1: the job model looks up a stage that is not there
+    gappy = {0: 0, 2: 1, 3: 0}
+    compute = {0: [step(0, F, 0), step(0, F, 3), step(0, B, 3), step(0, B, 0)], 1: [step(0, F, 2), step(0, B, 2)]}
+    _assert_same(compute, gappy, ("stages not 0 to n - 1",))
 
 
 def test_comm_step_equals_the_checked_step():

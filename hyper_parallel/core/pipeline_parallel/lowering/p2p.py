@@ -46,7 +46,8 @@ from operator import attrgetter
 from dataclasses import dataclass, field
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule, message_key
-from hyper_parallel.core.pipeline_parallel.lowering.comm_steps import PAIRS, PartComms, comm_step, counterpart, part_comms, peer_rank
+from hyper_parallel.core.pipeline_parallel.lowering.comm_steps import PAIRS, PartComms, comm_step, part_comms, peer_rank
+from hyper_parallel.core.pipeline_parallel.lowering.comm_steps import counterpart  # noqa: F401  (p2p's API)
 from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc
 from hyper_parallel.core.pipeline_parallel.lowering.job_model import note_finished, run_job
 from hyper_parallel.core.pipeline_parallel.lowering.levels import lower_by_levels
@@ -125,7 +126,8 @@ def _lower(compute: Schedule, stage_to_rank: dict[int, int], transport: str, met
         plan.eager = transport == "plain"
     _add_metadata(plans, metadata)
     _number_fifo(plans)  # each receive wanted at its natural place, as made
-    if prefetch or metadata != "none":  # what each send depends on, sends never waiting
+    if prefetch or (metadata != "none" and _dependencies_read(transport, stage_to_rank)):
+        # what each send depends on, sends never waiting
         _use_dependencies(plans, stage_to_rank, _emit_plain, "eager", prefetch and transport == "plain")
     if transport == "plain":
         return _assemble_all(plans, _emit_plain)
@@ -135,6 +137,14 @@ def _lower(compute: Schedule, stage_to_rank: dict[int, int], transport: str, met
     if finished:  # the last run of the repairs ran these lists: validation need not run them again
         note_finished(lowered, stage_to_rank, "stream")
     return lowered
+
+
+def _dependencies_read(transport: str, stage_to_rank: dict[int, int]) -> bool:
+    """Whether lowering without prefetch reads what ``_use_dependencies`` notes: the batch lowering
+    does (where a gap's sends go); the plain one never does (its sends always go first), so its run of
+    the job model (O(job x ranks), with clocks) can be skipped where that run cannot raise: with stages
+    0 to n - 1, every stage the model looks up for a step's inputs or a message exists."""
+    return transport != "plain" or not all(stage in stage_to_rank for stage in range(len(stage_to_rank)))
 
 
 def _repair(plans: dict[int, _RankPlan], stage_to_rank: dict[int, int]) -> bool:
@@ -256,13 +266,16 @@ def _uncross(plans: dict[int, _RankPlan]) -> None:
     each crossing of two messages: a prefetched receive goes back to its natural place (a
     backward receive before a forward one: forward inputs are the prefetches that pay); else a
     receive is posted earlier, in the group of the other message on its rank."""
-    recvs = {(rank, recv.step): recv for rank, plan in plans.items() for recv in plan.recvs}
+    recvs = _recvs_by_step(plans)
     # each receive's peer and the very send step it matches (fixed: only the places move); steps are
     # looked up by identity below, hashing a MetaStep millions of times being the cost of a sweep
-    send_steps = {(rank, send): send for rank, plan in plans.items() for sends in plan.sends.values()
+    send_steps = {_step_key(rank, send): send for rank, plan in plans.items() for sends in plan.sends.values()
                   for _, send in sends}
-    matches = {(rank, id(recv.step)): (recv.peer, id(send_steps[(recv.peer, counterpart(recv.step))]))
-               for (rank, _), recv in recvs.items() if (recv.peer, counterpart(recv.step)) in send_steps}
+    matches = {}
+    for (rank, *_), recv in recvs.items():
+        send = send_steps.get(_counterpart_key(recv.peer, recv.step))
+        if send is not None:
+            matches[(rank, id(recv.step))] = (recv.peer, id(send))
     pair_keys = sorted({(min(rank, peer), max(rank, peer)) for (rank, _), (peer, _) in matches.items()})
     cache: _GroupCache = {}  # valid within this call: only wanted gaps change here
     where: dict[int, dict[int, tuple[tuple[int, int], MetaStep]]] = {}
@@ -326,14 +339,15 @@ def _rank_group_positions(
     recvs_at: dict[int, list[_Recv]] = defaultdict(list)
     for recv in plan.recvs:
         recvs_at[recv.gap].append(recv)
+    sends_at = _sends_by_gap(plan)
     group = 0
-    for gap in range(len(plan.items) + 1):
-        here = recvs_at.get(gap, [])
+    end = len(plan.items)
+    for gap in sorted(gap for gap in recvs_at.keys() | sends_at.keys() if 0 <= gap <= end):  # an empty gap has no group
+        here = recvs_at.get(gap, _NO_RECVS)
         key = (rank, gap, tuple(id(recv) for recv in here))
         groups = cache.get(key)
         if groups is None:
-            sends = [send for _, send in plan.sends.get(gap, ()) if not send.meta_type.is_meta]
-            slots, _ = _gap_slots(plan, gap, sends, here)
+            slots, _ = _gap_slots(plan, gap, sends_at.get(gap, _NO_SENDS)[1], here)
             groups = cache[key] = [slot for slot in slots if slot]  # one BATCH step per non-empty slot
         for ops in groups:
             place = (group, gap)
@@ -343,10 +357,29 @@ def _rank_group_positions(
     return where
 
 
+_StepKey = tuple[int, int | None, MetaStepType, int | None]
+
+
+def _step_key(rank: int, step: MetaStep) -> _StepKey:
+    """(rank, step) as a tuple, hashed in C: equal exactly where the steps are (a send or receive
+    step has no sub-steps)."""
+    return rank, step.micro_index, step.meta_type, step.stage_index
+
+
+def _counterpart_key(peer: int, step: MetaStep) -> _StepKey:
+    """``_step_key(peer, counterpart(step))`` without making the step."""
+    kind, shift = PAIRS[step.meta_type]
+    return peer, step.micro_index, kind, step.stage_index + shift
+
+
+def _recvs_by_step(plans: dict[int, _RankPlan]) -> dict[_StepKey, _Recv]:
+    return {_step_key(rank, recv.step): recv for rank, plan in plans.items() for recv in plan.recvs}
+
+
 def _fix_crossing(recvs: dict, low: int, high: int, first: tuple, second: tuple) -> bool:
     """``first`` is earlier than ``second`` on rank ``low`` but later on rank ``high``."""
-    involved = [recvs[(rank, op)] for rank, op in ((low, first[2]), (low, second[2]), (high, first[3]),
-                                                     (high, second[3])) if op.meta_type.is_recv]
+    involved = [recvs[_step_key(rank, op)] for rank, op in ((low, first[2]), (low, second[2]), (high, first[3]),
+                                                              (high, second[3])) if op.meta_type.is_recv]
     early = [r for r in involved if r.wanted_gap < r.natural_gap]
     if early:
         early.sort(key=lambda r: (r.step.meta_type is not _T.BWD_RECV, -r.peer))
@@ -354,9 +387,9 @@ def _fix_crossing(recvs: dict, low: int, high: int, first: tuple, second: tuple)
         return True
     moves = []
     if second[2].meta_type.is_recv:  # on rank low, post second's receive with first's group
-        moves.append((recvs[(low, second[2])], first[0][1]))
+        moves.append((recvs[_step_key(low, second[2])], first[0][1]))
     if first[3].meta_type.is_recv:  # on rank high, post first's receive with second's group
-        moves.append((recvs[(high, first[3])], second[1][1]))
+        moves.append((recvs[_step_key(high, first[3])], second[1][1]))
     moves = [(recv, gap) for recv, gap in moves if gap < recv.gap]
     if not moves:
         return False
@@ -383,8 +416,8 @@ def _repair_for_stream(
     many runs as there are micro-batches). What cannot be repaired is left for validation to
     report. True when the last run finished without any forced move (the lists as they stand finish).
     """
-    recvs = {(rank, recv.step): recv for rank, plan in plans.items() for recv in plan.recvs}
-    send_gap = {(rank, send): gap for rank, plan in plans.items() for gap, sends in plan.sends.items()
+    recvs = _recvs_by_step(plans)
+    send_gap = {_step_key(rank, send): gap for rank, plan in plans.items() for gap, sends in plan.sends.items()
                 for _, send in sends}
     for _ in range(2 * sum(len(plan.recvs) for plan in plans.values()) + 1):
         lowered = _assemble_all(plans, emit)
@@ -393,7 +426,7 @@ def _repair_for_stream(
         if outcome.forced:
             changed = False
             for rank, step, index in outcome.forced:  # receives the model had to post early
-                recv = recvs[(rank, step)]
+                recv = recvs[_step_key(rank, step)]
                 gap = gap_of(rank, index)
                 if gap < recv.wanted_gap:
                     recv.wanted_gap, changed = gap, True
@@ -413,7 +446,7 @@ def _repair_for_stream(
             for op in ops:
                 peer = peer_rank(op, stage_to_rank)
                 if op.meta_type.is_send:
-                    recv = recvs.get((peer, counterpart(op)))
+                    recv = recvs.get(_counterpart_key(peer, op))
                     if recv is None:
                         continue
                     waiting = meta_wait.get(peer)
@@ -427,16 +460,17 @@ def _repair_for_stream(
                         recv.wanted_gap = min(recv.wanted_gap, head_gap[peer])
                         moved = True
                 else:
-                    gap = send_gap.get((peer, counterpart(op)))  # None: no send (or no list) on the peer
+                    gap = send_gap.get(_counterpart_key(peer, op))  # None: no send (or no list) on the peer
                     plan = plans.get(peer)
                     if gap is not None and meta_wait.get(peer) == gap and gap not in plan.sends_first:
                         plan.sends_first.add(gap)
                         moved = True
         if not moved:  # un-prefetch: every receive of the same rank, kind and stage (one pattern)
             patterns = {(rank, op.meta_type, op.stage_index) for rank, ops in outcome.pending.items() for op in ops
-                        if (rank, op) in recvs and recvs[(rank, op)].wanted_gap < recvs[(rank, op)].natural_gap}
-            for (rank, step), recv in recvs.items():
-                if (rank, step.meta_type, step.stage_index) in patterns and recv.wanted_gap < recv.natural_gap:
+                        for recv in (recvs.get(_step_key(rank, op)),)
+                        if recv is not None and recv.wanted_gap < recv.natural_gap}
+            for (rank, _, kind, stage), recv in recvs.items():
+                if (rank, kind, stage) in patterns and recv.wanted_gap < recv.natural_gap:
                     recv.wanted_gap, recv.before_meta = recv.natural_gap, False
                     moved = True
         if not moved:
@@ -632,6 +666,8 @@ def _gap_slots(
     of this gap depends on them (or a repair said so), else to slot 1; the data receives go with
     the sends (a group of receives alone ahead of the sends would cross the same groups of a
     peer that does the same), unless a repair marked them to go before the metadata."""
+    if not any(recv.step.meta_type.is_meta for recv in recvs):  # one slot: the sends, then the receives
+        return [[*sends, *(recv.step for recv in (_order_recvs(recvs) if len(recvs) > 1 else recvs))]], []
     ordered = _order_recvs(recvs)
     metas = [r for r in ordered if r.step.meta_type.is_meta]
     meta_slot = {message_key(r.step)[1:]: k + 1 for k, r in enumerate(metas)}
