@@ -51,7 +51,7 @@ def _configs(cls):
 def _outcome(lowering, compute, placement, transport, metadata, prefetch):
     try:
         return lowering(compute, placement, transport, metadata=metadata, prefetch=prefetch)
-    except (ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # any error: the same type and message from both (review: AttributeError too)
         return type(exc), str(exc)
 
 
