@@ -28,7 +28,7 @@ from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, Schedule, consumes
 from hyper_parallel.core.pipeline_parallel.lowering.job_model import MODELS, producer_text
-from hyper_parallel.core.pipeline_parallel.simulation.fast_job import Comm, CompiledJob, compile_job
+from hyper_parallel.core.pipeline_parallel.simulation.fast_job import CompiledJob, compile_job
 from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import RecordSource
 from hyper_parallel.core.pipeline_parallel.simulation.timed_model import TimedOutcome
 
@@ -67,7 +67,7 @@ class _FastRun:
         self.num_stages = num_stages
         self.stream = stream
         self.time: list[float | None] = [None] * (job.num_ops + len(job.steps))
-        groups = len(job.group_ops)
+        groups = len(job.group_steps)
         self.issued: list[float | None] = [None] * groups
         self.active: list[float | None] = [None] * groups
         self.completed: list[float | None] = [None] * groups
@@ -89,7 +89,7 @@ class _FastRun:
         for rank in self.job.ranks:
             if self.cursor[rank] < len(self.job.program[rank]):
                 return None
-            ends = [self.time[op] for g in self.queue[rank] for op in self.job.group_ops[g]]
+            ends = [self.time[op] for g in self.queue[rank] for op in self.job.group_ops(g)]
             if None in ends:
                 return None
             finish[rank] = max([self.clock[rank], *ends]) + 0.0  # type: ignore[list-item]
@@ -149,7 +149,7 @@ class _FastRun:
                 marks.append(end)
                 clock = end
             else:
-                after = self._communicate(rank, job.comms[-1 - k], clock)
+                after = self._communicate(rank, -1 - k, clock)
                 if after is None:
                     break
                 marks.append(after)
@@ -160,12 +160,13 @@ class _FastRun:
             waiting.setdefault(wait, []).append(rank)
 
     # ------------------------------------------------------------------ communication
-    def _communicate(self, rank: int, comm: Comm, clock: float) -> float | None:
+    def _communicate(self, rank: int, group: int, clock: float) -> float | None:
         """Issue a communication step (once) and wait for its blocking receives; the clock
         after it, or None while a receive it waits for is not done."""
-        blocking = comm.blocking
-        if self.issued[comm.group] is None:
-            self._issue(rank, comm.group, comm.ops, comm.is_meta, clock)
+        job = self.job
+        blocking = job.group_blocking[group]
+        if self.issued[group] is None:
+            self._issue(rank, group, job.group_ops(group), job.group_meta[group], clock)
         time = self.time
         for op in blocking:
             if time[op] is None:
@@ -183,7 +184,7 @@ class _FastRun:
         if woken:
             self.ready.extend(woken)
 
-    def _issue(self, rank: int, group: int, ops: tuple[int, ...], is_meta: bool, now: float) -> None:
+    def _issue(self, rank: int, group: int, ops: range, is_meta: bool, now: float) -> None:
         self.issued[group] = now
         if is_meta or not self.stream:  # metadata always, and every message in the eager model
             self.active[group] = now
@@ -219,7 +220,7 @@ class _FastRun:
             previous = self.completed[queue[head - 1]] if head > 0 else None
             issued = self.issued[group]
             mine = active[group] = max(issued, previous if previous is not None else issued)  # type: ignore[type-var]
-            for op in job.group_ops[group]:
+            for op in job.group_ops(group):
                 other = job.op_other[op]
                 other_group = job.op_group[other]
                 theirs = active[other_group]
@@ -235,7 +236,7 @@ class _FastRun:
     def _finish_group(self, group: int) -> bool:
         if self.completed[group] is not None:
             return False
-        ends = [self.time[op] for op in self.job.group_ops[group]]
+        ends = [self.time[op] for op in self.job.group_ops(group)]
         if None in ends:
             return False
         self.completed[group] = max(ends, default=self.active[group])  # type: ignore[type-var]
@@ -262,7 +263,7 @@ class _FastRun:
                     out.append(_record(rank, self._waited_for(k, start), "p2p-wait", before, start))
                 out.append(_record(rank, step, "compute", start, end))
             else:
-                step = job.comms[-1 - k].step
+                step = job.group_steps[-1 - k]
                 out.append(_record(rank, step, "p2p-issue", before, before))
                 if after > before:
                     out.append(_record(rank, step, "p2p-wait", before, after))
