@@ -30,6 +30,7 @@ from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, legacy_costs
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType, Schedule
+from hyper_parallel.core.pipeline_parallel.simulation.fast_summary import fast_peaks
 from hyper_parallel.core.pipeline_parallel.simulation.fast_timed import run_timed_fast
 from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import lazy_records, records_or_source
 from hyper_parallel.core.pipeline_parallel.simulation.timed_model import run_timed
@@ -128,7 +129,11 @@ def simulate(
         stuck = ", ".join(str(rank) for rank in sorted(outcome.stuck))
         raise ScheduleError(f"simulation cannot finish: ranks {stuck} wait forever\n" + "\n".join(lines),
                             schedule, marks)
-    return _summarize(schedule, outcome.compute, outcome.finish, records_or_source(outcome), table)
+    peaks = None
+    compiled = getattr(outcome, "compiled", None)
+    if compiled is not None:
+        peaks = fast_peaks(schedule, compiled, table)
+    return _summarize(schedule, outcome.compute, outcome.finish, records_or_source(outcome), table, peaks)
 
 
 def _link_time(table: CostModel) -> Any:
@@ -160,14 +165,17 @@ def _position_of(steps: list[MetaStep | None], index: int) -> int:
 
 
 def _summarize(schedule: Schedule, timeline: dict, finish: dict[int, float], records: Any, costs: CostModel,
-               ) -> SimulationResult:
+               peaks_found: tuple[dict, dict] | None = None) -> SimulationResult:
     makespan = max(finish.values(), default=0.0)
     busy = {rank: sum(end - start for start, end, _ in timeline[rank]) for rank in timeline}
     capacity = len(timeline) * makespan
     bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0
     per_rank = {rank: (1.0 - busy[rank] / makespan if makespan > 0 else 0.0) for rank in timeline}
-    peaks = {rank: peak_activations(steps) for rank, steps in schedule.items()}
-    peak_bytes = {rank: peak_activation_bytes(steps, costs) for rank, steps in schedule.items()}
+    if peaks_found is not None:  # the same numbers, counted with numpy (fast_summary.py)
+        peaks, peak_bytes = peaks_found
+    else:
+        peaks = {rank: peak_activations(steps) for rank, steps in schedule.items()}
+        peak_bytes = {rank: peak_activation_bytes(steps, costs) for rank, steps in schedule.items()}
     return SimulationResult(makespan, bubble, peaks, timeline, per_rank, peak_bytes, busy, records)
 
 
