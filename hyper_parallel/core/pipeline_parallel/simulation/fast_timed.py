@@ -28,7 +28,7 @@ from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, Schedule, consumes
 from hyper_parallel.core.pipeline_parallel.lowering.job_model import MODELS, producer_text
-from hyper_parallel.core.pipeline_parallel.simulation.fast_eager import run_chain
+from hyper_parallel.core.pipeline_parallel.simulation.fast_chain import run_chain
 from hyper_parallel.core.pipeline_parallel.simulation.fast_job import CompiledJob, compile_job
 from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import RecordSource
 from hyper_parallel.core.pipeline_parallel.simulation.timed_model import TimedOutcome
@@ -56,9 +56,7 @@ def run_timed_fast(
         job = compile_job(schedule, stage_to_rank, step_time, link_time, lowered=lowered, wait_at_post=wait_at_post)
         if job is None:
             return None
-        outcome = None
-        if model == "eager":
-            outcome = run_chain(job, len(stage_to_rank), wait_at_post)
+        outcome = run_chain(job, len(stage_to_rank), wait_at_post, model == "stream")
         if outcome is None:
             outcome = _FastRun(job, len(stage_to_rank), model == "stream").run()
         if outcome is not None:

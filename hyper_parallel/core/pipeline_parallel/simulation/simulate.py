@@ -25,6 +25,7 @@ split evenly over its chunks, so schedules with different chunk counts compare i
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,8 +113,19 @@ def simulate(
     runtime = table.runtime  # present, even all 0: simulate as the runtime runs (monotonic from 0)
     outcome = None
     if runtime is None:  # the same run on compiled lists (fast_timed.py); None: the exact model must run
-        outcome = run_timed_fast(schedule, stage_to_rank, table.step_time, _link_time(table), lowered=lowered,
-                                 model=model, wait_at_post=wait_at_post)
+        collecting = gc.isenabled()
+        gc.disable()  # millions of tuples and floats without cycles: the collector would walk them again and again
+        try:
+            outcome = run_timed_fast(schedule, stage_to_rank, table.step_time, _link_time(table), lowered=lowered,
+                                     model=model, wait_at_post=wait_at_post)
+            if outcome is not None and outcome.finished:
+                compiled = getattr(outcome, "compiled", None)
+                peaks = None if compiled is None else fast_peaks(schedule, compiled, table)
+                return _summarize(schedule, outcome.compute, outcome.finish, records_or_source(outcome), table,
+                                  peaks)
+        finally:
+            if collecting:
+                gc.enable()
     if outcome is None:
         step_time = table.step_time if runtime is None else _as_the_runtime_runs(table)
         outcome = run_timed(schedule, stage_to_rank, step_time, table.message_time, lowered=lowered,
@@ -129,11 +141,7 @@ def simulate(
         stuck = ", ".join(str(rank) for rank in sorted(outcome.stuck))
         raise ScheduleError(f"simulation cannot finish: ranks {stuck} wait forever\n" + "\n".join(lines),
                             schedule, marks)
-    peaks = None
-    compiled = getattr(outcome, "compiled", None)
-    if compiled is not None:
-        peaks = fast_peaks(schedule, compiled, table)
-    return _summarize(schedule, outcome.compute, outcome.finish, records_or_source(outcome), table, peaks)
+    return _summarize(schedule, outcome.compute, outcome.finish, records_or_source(outcome), table)
 
 
 def _link_time(table: CostModel) -> Any:
