@@ -301,3 +301,22 @@ def test_a_receive_nobody_consumes_still_ends_its_rank(model):
     chain = run_chain(job, 2, False, model == "stream")
     assert chain is not None and exact.finish[1] > 0.0 and exact.finish[0] > 0.0
     assert chain.finish == exact.finish and chain.records == exact.records
+
+
+def test_busy_and_lowered_detection_as_written_before():
+    """`simulate`'s busy time (sum of step lengths in order) and its test for a lowered list, now made in C,
+    against the loops they replace."""
+    import random
+
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import _busy, _has_communication
+
+    rng = random.Random(7)
+    step = MetaStep(0, _T.FWD, 0)
+    for size in (0, 1, 5, 1000):
+        points = sorted(rng.uniform(0, 1e6) * rng.choice((1e-9, 1.0, 3.7)) for _ in range(2 * size))
+        timeline = [(points[2 * k], points[2 * k + 1], step) for k in range(size)]
+        assert repr(_busy(timeline)) == repr(sum(end - start for start, end, _ in timeline))
+    for _, steps, *_ in JOBS[::5]:
+        holes = {rank: [None, *ss, None] for rank, ss in steps.items()}
+        expected = any(s is not None and s.meta_type.is_comm for ss in holes.values() for s in ss)
+        assert _has_communication(holes) == expected

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter, sub
 from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, legacy_costs
@@ -109,7 +110,7 @@ def simulate(
     every runtime figure is 0; without a ``runtime`` object the prediction is the one of old.
     """
     table = _cost_model(costs, comm_cost, len(stage_to_rank))
-    lowered = any(s is not None and s.meta_type.is_comm for steps in schedule.values() for s in steps)
+    lowered = _has_communication(schedule)
     runtime = table.runtime  # present, even all 0: simulate as the runtime runs (monotonic from 0)
     outcome = None
     if runtime is None:  # the same run on compiled lists (fast_timed.py); None: the exact model must run
@@ -144,6 +145,21 @@ def simulate(
     return _summarize(schedule, outcome.compute, outcome.finish, records_or_source(outcome), table)
 
 
+_COMM_TYPES = frozenset(t for t in MetaStepType if t.is_comm)
+_TYPE_OF = attrgetter("meta_type")
+_START, _END = itemgetter(0), itemgetter(1)
+
+
+def _has_communication(schedule: Schedule) -> bool:
+    """Whether any step is a send/recv or BATCH (a lowered list), without a Python loop per step."""
+    return any(any(map(_COMM_TYPES.__contains__, map(_TYPE_OF, filter(None, steps)))) for steps in schedule.values())
+
+
+def _busy(timeline: list[tuple[float, float, MetaStep]]) -> float:
+    """``sum(end - start)`` over the steps, in their order (the same additions, made in C)."""
+    return sum(map(sub, map(_END, timeline), map(_START, timeline)))
+
+
 def _link_time(table: CostModel) -> Any:
     """``CostModel.message_time`` by (kind, stage): it does not depend on the micro-batch."""
     def link_time(kind: str, stage: int) -> float:
@@ -175,7 +191,7 @@ def _position_of(steps: list[MetaStep | None], index: int) -> int:
 def _summarize(schedule: Schedule, timeline: dict, finish: dict[int, float], records: Any, costs: CostModel,
                peaks_found: tuple[dict, dict] | None = None) -> SimulationResult:
     makespan = max(finish.values(), default=0.0)
-    busy = {rank: sum(end - start for start, end, _ in timeline[rank]) for rank in timeline}
+    busy = {rank: _busy(timeline[rank]) for rank in timeline}
     capacity = len(timeline) * makespan
     bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0
     per_rank = {rank: (1.0 - busy[rank] / makespan if makespan > 0 else 0.0) for rank in timeline}
