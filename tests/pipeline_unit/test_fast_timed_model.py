@@ -320,3 +320,23 @@ def test_busy_and_lowered_detection_as_written_before():
         holes = {rank: [None, *ss, None] for rank, ss in steps.items()}
         expected = any(s is not None and s.meta_type.is_comm for ss in holes.values() for s in ss)
         assert _has_communication(holes) == expected
+
+
+@pytest.mark.parametrize("wait_at_post", [False, True])
+@pytest.mark.parametrize("case", JOBS[::2], ids=[j[0] for j in JOBS[::2]])
+def test_numbers_only_equal_the_full_result(case, wait_at_post):
+    """`simulate(..., timelines=False)` (what the tuner asks for) gives every number of the full run."""
+    _, steps, placement, costs, _, model = case
+    try:
+        full = simulate(steps, placement, costs, model=model, wait_at_post=wait_at_post)
+    except ScheduleError as exc:
+        with pytest.raises(ScheduleError) as caught:
+            simulate(steps, placement, costs, model=model, wait_at_post=wait_at_post, timelines=False)
+        assert str(caught.value) == str(exc)
+        return
+    numbers = simulate(steps, placement, costs, model=model, wait_at_post=wait_at_post, timelines=False)
+    assert numbers.summary() == full.summary()
+    assert numbers.busy == full.busy and numbers.bubble_per_rank == full.bubble_per_rank
+    assert numbers.peak_activations == full.peak_activations
+    assert numbers.peak_activation_bytes == full.peak_activation_bytes
+    assert (numbers.makespan, numbers.bubble_fraction) == (full.makespan, full.bubble_fraction)

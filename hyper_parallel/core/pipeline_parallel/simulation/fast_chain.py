@@ -31,6 +31,8 @@ the general fast run, which says so in its own way.
 
 from __future__ import annotations
 
+from operator import sub
+
 import numpy as np
 
 from hyper_parallel.core.pipeline_parallel.simulation.fast_job import CompiledJob
@@ -40,8 +42,11 @@ from hyper_parallel.core.pipeline_parallel.simulation.timed_model import TimedOu
 _SLOTS = 6
 
 
-def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: bool = False) -> TimedOutcome | None:
-    """The timed run of a compiled job (see the module docstring), or None."""
+def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: bool = False,
+              timelines: bool = True) -> TimedOutcome | None:
+    """The timed run of a compiled job (see the module docstring), or None. Without ``timelines``
+    the outcome's ``compute`` lists stay empty and ``busy`` (rank -> the sum of its steps' lengths,
+    in order, as `simulate` adds them) says what they would have said; records cannot be made."""
     plan = _Plan.make(job, wait_at_post, stream)
     if plan is None:
         return None
@@ -61,6 +66,7 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
     add_a, add_b, add_c, add_d, add_e, add_f = plan.adds
     durations = plan.durations
     none: list = []  # the timeline of a stream chain: never appended to (its nodes are not compute steps)
+    starts: list[float] = [0.0] * count  # when each compute step started (without timelines)
     while ready_chains:
         chain = ready_chains.pop()
         program = programs[chain]
@@ -132,7 +138,10 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
                 if woken:
                     ready_chains.extend(woken)
             if k < count:
-                timeline.append((ready, end, steps[k]))
+                if timelines:
+                    timeline.append((ready, end, steps[k]))
+                else:
+                    starts[k] = ready
             clock = end
             index += 1
         cursor[chain], clock_of[chain] = index, clock
@@ -142,6 +151,10 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
         return None  # stuck: the general run (and then the exact model) will say where
     times = np.asarray(time, dtype=np.float64)
     finish = plan.finish(times, clock_of)
+    if not timelines:
+        outcome = TimedOutcome(compute, [], finish, {})
+        outcome.busy = plan.busy(times, starts)
+        return outcome
     source = RecordSource(lambda: plan.records(num_stages, times, compute))
     return TimedOutcome(compute, source, finish, {})  # type: ignore[arg-type]
 
@@ -282,6 +295,18 @@ class _Plan:
             data = self.data_op
             ops[data] = np.maximum(at, at[op_other])[data] + op_time[data]
         return ops
+
+    def busy(self, times: np.ndarray, starts: list[float]) -> dict:
+        """Per rank: ``sum(end - start)`` of its compute steps in program order (as `simulate` sums
+        a timeline: the same floats, subtracted and added in the same order)."""
+        start = np.asarray(starts, dtype=np.float64)
+        count = start.size
+        busy = {}
+        for rank in self.job.ranks:
+            program = np.asarray(self.programs[rank], dtype=np.int64)
+            mine = program[program < count]
+            busy[rank] = sum(map(sub, times[mine].tolist(), start[mine].tolist()))
+        return busy
 
     def finish(self, times: np.ndarray, clock_of: dict) -> dict:
         """When each rank is done: its clock, or the last of its data operations to complete."""

@@ -43,6 +43,7 @@ def run_timed_fast(
     lowered: bool = True,
     model: str = "eager",
     wait_at_post: bool = False,
+    timelines: bool = True,
 ) -> TimedOutcome | None:
     """`timed_model.run_timed` without runtime costs, or None where the exact model must run.
 
@@ -56,7 +57,7 @@ def run_timed_fast(
         job = compile_job(schedule, stage_to_rank, step_time, link_time, lowered=lowered, wait_at_post=wait_at_post)
         if job is None:
             return None
-        outcome = run_chain(job, len(stage_to_rank), wait_at_post, model == "stream")
+        outcome = run_chain(job, len(stage_to_rank), wait_at_post, model == "stream", timelines)
         if outcome is None:
             outcome = _FastRun(job, len(stage_to_rank), model == "stream").run()
         if outcome is not None:

@@ -97,6 +97,7 @@ def simulate(
     *,
     model: str = "eager",
     wait_at_post: bool = False,
+    timelines: bool = True,
 ) -> SimulationResult:
     """Simulate a compute-only or lowered schedule; ScheduleError if it cannot finish.
 
@@ -108,6 +109,9 @@ def simulate(
     machine file, ``machine.py``) also charges the runtime's own work per lowered step, and puts
     the first stage's I time into its W (that stage has no input gradient to compute), even when
     every runtime figure is 0; without a ``runtime`` object the prediction is the one of old.
+
+    ``timelines=False`` asks for the numbers only (makespan, bubbles, busy times, peaks; what the
+    tuner reads): the ``timeline`` lists may then be left empty and ``records`` with them.
     """
     table = _cost_model(costs, comm_cost, len(stage_to_rank))
     lowered = _has_communication(schedule)
@@ -118,12 +122,12 @@ def simulate(
         gc.disable()  # millions of tuples and floats without cycles: the collector would walk them again and again
         try:
             outcome = run_timed_fast(schedule, stage_to_rank, table.step_time, _link_time(table), lowered=lowered,
-                                     model=model, wait_at_post=wait_at_post)
+                                     model=model, wait_at_post=wait_at_post, timelines=timelines)
             if outcome is not None and outcome.finished:
                 compiled = getattr(outcome, "compiled", None)
                 peaks = None if compiled is None else fast_peaks(schedule, compiled, table)
                 return _summarize(schedule, outcome.compute, outcome.finish, records_or_source(outcome), table,
-                                  peaks)
+                                  peaks, getattr(outcome, "busy", None))
         finally:
             if collecting:
                 gc.enable()
@@ -189,9 +193,11 @@ def _position_of(steps: list[MetaStep | None], index: int) -> int:
 
 
 def _summarize(schedule: Schedule, timeline: dict, finish: dict[int, float], records: Any, costs: CostModel,
-               peaks_found: tuple[dict, dict] | None = None) -> SimulationResult:
+               peaks_found: tuple[dict, dict] | None = None, busy: dict[int, float] | None = None,
+               ) -> SimulationResult:
     makespan = max(finish.values(), default=0.0)
-    busy = {rank: _busy(timeline[rank]) for rank in timeline}
+    if busy is None:
+        busy = {rank: _busy(timeline[rank]) for rank in timeline}
     capacity = len(timeline) * makespan
     bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0
     per_rank = {rank: (1.0 - busy[rank] / makespan if makespan > 0 else 0.0) for rank in timeline}
@@ -307,7 +313,7 @@ def plan_schedule(
 def simulate_schedule(
     schedule_class: Any, num_ranks: int, num_chunks: int, num_microbatches: int,
     costs: CostModel | None = None, *, lowered: bool = True, transport: str = "plain", prefetch: bool = False,
-    metadata: str = "none", wait_at_post: bool = False,
+    metadata: str = "none", wait_at_post: bool = False, timelines: bool = True,
 ) -> tuple[PlannedSchedule, SimulationResult]:
     """`plan_schedule` then `simulate` (of the lowered lists when ``lowered``) with the
     transport's communication model; default costs: `CostModel.per_rank_share` (F=1, B=2)."""
@@ -318,5 +324,5 @@ def simulate_schedule(
     model = "stream" if transport == "batch" else "eager"
     steps = plan.lowered if plan.lowered is not None else plan.compute
     result = simulate(steps, plan.stage_to_rank, costs.for_stages(len(plan.stage_to_rank)), model=model,
-                      wait_at_post=wait_at_post)
+                      wait_at_post=wait_at_post, timelines=timelines)
     return plan, result
