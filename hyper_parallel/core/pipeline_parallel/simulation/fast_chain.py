@@ -268,7 +268,7 @@ class _Plan:
             mine = node_of_entry[bounds[k]:bounds[k + 1]]
             programs[rank] = mine[mine >= 0].tolist()
         if n_data:
-            data_bounds = _rank_bounds(job, np.asarray(job.group_rank, dtype=np.int64)[data_groups])
+            data_bounds = _rank_bounds(job, a["group_rank"][data_groups])
             pairs = np.empty(2 * n_data, dtype=np.int64)
             pairs[0::2], pairs[1::2] = active[data_groups], active[data_groups] + n_data
             for k, rank in enumerate(job.ranks):

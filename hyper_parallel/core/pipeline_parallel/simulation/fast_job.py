@@ -91,10 +91,32 @@ class CompiledJob:
     group_rank: list[int] = field(default_factory=list)
     sends: dict[int, list[int]] = field(default_factory=dict)  # rank -> its send cells in program order
     arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # the same as numpy arrays
+    listed: bool = False  # whether the list fields were filled from the arrays (`lists`)
 
     @property
     def num_ops(self) -> int:
         return len(self.op_steps)
+
+    def lists(self) -> CompiledJob:
+        """Fill the list fields from ``arrays`` (once): the general run reads them item by item; the
+        chain run (``fast_chain.py``) reads the arrays and never needs them."""
+        if self.listed:
+            return self
+        self.listed = True
+        a = self.arrays
+        self.deps, self.adds, self.received = a["deps"].tolist(), a["adds"].tolist(), a["received"].tolist()
+        self.op_send, self.op_other = a["op_send"].tolist(), a["op_other"].tolist()
+        self.op_time, self.op_group = a["op_time"].tolist(), a["op_group"].tolist()
+        self.group_start, self.group_meta = a["group_start"].tolist(), a["group_meta"].tolist()
+        self.group_rank = a["group_rank"].tolist()
+        ends = self.ranks + [self.ranks[-1] + 1] if self.ranks else []
+        bounds = np.searchsorted(a["entry_rank"], ends)
+        sends = np.flatnonzero(a["op_send"])
+        send_bounds = np.searchsorted(a["op_rank"][sends], ends)
+        for k, rank in enumerate(self.ranks):
+            self.program[rank] = a["entries"][bounds[k]:bounds[k + 1]].tolist()
+            self.sends[rank] = sends[send_bounds[k]:send_bounds[k + 1]].tolist()
+        return self
 
     def group_ops(self, group: int) -> range:
         return range(self.group_start[group], self.group_start[group + 1])
@@ -183,9 +205,6 @@ class _Compiler:
         kept = codes != _OTHER
         positions = np.flatnonzero(kept)  # where each program entry sits in `flat`
         entries = entry[positions]
-        starts = np.searchsorted(positions, bounds)
-        for k, rank in enumerate(job.ranks):
-            job.program[rank] = entries[starts[k]:starts[k + 1]].tolist()
 
         job.steps = [flat[i] for i in compute_at.tolist()]
         compute_codes = codes[compute_at].astype(np.int64)
@@ -262,27 +281,17 @@ class _Compiler:
         other[send_order] = recv_order
         other[recv_order] = send_order
         links = np.asarray([[self._link(k, s) for k in "FGM"] for s in range(stages_total)], np.float64)
-        job.op_send = is_send.tolist()
-        job.op_other = other.tolist()
-        job.op_time = links[stage, kind].tolist()
-        job.op_group = group.tolist()
         start = np.zeros(len(comms) + 1, dtype=np.int64)
         np.cumsum(counts, out=start[1:])
-        job.group_start = start.tolist()
-        job.group_meta = group_meta.tolist()
-        job.group_rank = rank_of[comm_at].tolist()
         blocking = [_NO_OPS] * len(comms)
         waits = (group_meta | self.wait_at_post)[group] & ~is_send
         for g, op in zip(group[waits].tolist(), np.flatnonzero(waits).tolist()):
             blocking[g] += (op,)
         job.group_blocking = blocking
-        send_rank = op_rank[send_cells]
-        for rank in job.ranks:
-            job.sends[rank] = send_cells[send_rank == rank].tolist()
         self.recv_sorted, self.recv_cells = recv_keys, recv_order
         self.op_rank = op_rank
         job.arrays.update(op_group=group, op_other=other, op_send=is_send, op_time=links[stage, kind],
-                          op_rank=op_rank, group_meta=group_meta, group_start=start)
+                          op_rank=op_rank, group_meta=group_meta, group_start=start, group_rank=rank_of[comm_at])
 
     # ------------------------------------------------------------------ compute steps, with numpy
     def _compute_arrays(self, job: CompiledJob, code: np.ndarray, rank: np.ndarray) -> None:
@@ -345,9 +354,6 @@ class _Compiler:
             deps[slot, at[local]] = producer + base
             elsewhere = rank[producer] != rank[at[local]]
             adds[slot, at[local]] = np.where(elsewhere, links[key_stage[local], kind[local]], 0.0)
-        job.deps = deps.tolist()
-        job.adds = adds.tolist()
-        job.received = received.tolist()
         job.arrays.update(deps=deps, adds=adds, received=received)
 
     def _keys(self, kind: int, stage: np.ndarray, micro: np.ndarray) -> np.ndarray:

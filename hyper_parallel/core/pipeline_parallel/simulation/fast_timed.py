@@ -70,7 +70,7 @@ def run_timed_fast(
 
 class _FastRun:
     def __init__(self, job: CompiledJob, num_stages: int, stream: bool) -> None:
-        self.job = job
+        self.job = job.lists()
         self.num_stages = num_stages
         self.stream = stream
         self.time: list[float | None] = [None] * (job.num_ops + len(job.steps))
