@@ -55,22 +55,22 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
     time: list[float | None] = [None] * (nodes + 1)
     time[nodes] = 0.0  # the clock before a chain's first node
     steps = job.steps
-    programs = plan.programs
-    compute: dict = {rank: [] for rank in job.ranks}
-    chains = list(programs)
-    clock_of = dict.fromkeys(chains, 0.0)
-    cursor = dict.fromkeys(chains, 0)
-    waiting: dict[int, list] = {}
-    ready_chains = list(reversed(chains))
+    programs = plan.programs  # chain c: rank c's steps for c < ranks, then the ranks' streams
+    chains = len(programs)
+    timelines_of: list[list] = [[] for _ in job.ranks]
+    timelines_of += [[]] * (chains - len(job.ranks))  # a stream chain's: never appended to (no compute steps)
+    clock_of = [0.0] * chains
+    cursor = [0] * chains
+    waiting: list[list[int] | None] = [None] * (nodes + 1)  # node -> the chains waiting for it
+    ready_chains = list(range(chains - 1, -1, -1))
     dep_a, dep_b, dep_c, dep_d, dep_e, dep_f = plan.deps
     add_a, add_b, add_c, add_d, add_e, add_f = plan.adds
     durations = plan.durations
-    none: list = []  # the timeline of a stream chain: never appended to (its nodes are not compute steps)
     starts: list[float] = [0.0] * count  # when each compute step started (without timelines)
     while ready_chains:
         chain = ready_chains.pop()
         program = programs[chain]
-        timeline = compute.get(chain, none)
+        timeline = timelines_of[chain]
         index, clock = cursor[chain], clock_of[chain]
         total = len(program)
         wait = -1
@@ -133,10 +133,9 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
                                         ready = at
             end = ready + durations[k]
             time[k] = end
-            if waiting:
-                woken = waiting.pop(k, None)
-                if woken:
-                    ready_chains.extend(woken)
+            woken = waiting[k]
+            if woken is not None:
+                ready_chains.extend(woken)
             if k < count:
                 if timelines:
                     timeline.append((ready, end, steps[k]))
@@ -146,11 +145,16 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
             index += 1
         cursor[chain], clock_of[chain] = index, clock
         if wait >= 0:
-            waiting.setdefault(wait, []).append(chain)
-    if any(cursor[chain] < len(programs[chain]) for chain in chains):
+            waiters = waiting[wait]
+            if waiters is None:
+                waiting[wait] = [chain]
+            else:
+                waiters.append(chain)
+    if any(cursor[chain] < len(programs[chain]) for chain in range(chains)):
         return None  # stuck: the general run (and then the exact model) will say where
+    compute = dict(zip(job.ranks, timelines_of))
     times = np.asarray(time, dtype=np.float64)
-    finish = plan.finish(times, clock_of)
+    finish = plan.finish(times, dict(zip(job.ranks, clock_of)))
     if not timelines:
         outcome = TimedOutcome(compute, [], finish, {})
         outcome.busy = plan.busy(times, starts)
@@ -263,17 +267,17 @@ class _Plan:
         adds[slot, node] = add
 
         bounds = _rank_bounds(job, entry_rank)
-        programs: dict = {}
-        for k, rank in enumerate(job.ranks):
+        programs: list[list[int]] = []
+        for k in range(len(job.ranks)):
             mine = node_of_entry[bounds[k]:bounds[k + 1]]
-            programs[rank] = mine[mine >= 0].tolist()
+            programs.append(mine[mine >= 0].tolist())
         if n_data:
             data_bounds = _rank_bounds(job, a["group_rank"][data_groups])
             pairs = np.empty(2 * n_data, dtype=np.int64)
             pairs[0::2], pairs[1::2] = active[data_groups], active[data_groups] + n_data
-            for k, rank in enumerate(job.ranks):
+            for k in range(len(job.ranks)):
                 if data_bounds[k + 1] > data_bounds[k]:
-                    programs[("stream", rank)] = pairs[2 * data_bounds[k]:2 * data_bounds[k + 1]].tolist()
+                    programs.append(pairs[2 * data_bounds[k]:2 * data_bounds[k + 1]].tolist())
         self.programs = programs
         used = [bool(np.any(dep[j] >= 0)) for j in range(_SLOTS)]  # a slot no node uses: read as -1 all along
         self.deps = [dep[j].tolist() if used[j] else [-1] * nodes for j in range(_SLOTS)]
@@ -302,8 +306,8 @@ class _Plan:
         start = np.asarray(starts, dtype=np.float64)
         count = start.size
         busy = {}
-        for rank in self.job.ranks:
-            program = np.asarray(self.programs[rank], dtype=np.int64)
+        for k, rank in enumerate(self.job.ranks):
+            program = np.asarray(self.programs[k], dtype=np.int64)
             mine = program[program < count]
             busy[rank] = sum(map(sub, times[mine].tolist(), start[mine].tolist()))
         return busy
