@@ -340,3 +340,15 @@ def test_numbers_only_equal_the_full_result(case, wait_at_post):
     assert numbers.peak_activations == full.peak_activations
     assert numbers.peak_activation_bytes == full.peak_activation_bytes
     assert (numbers.makespan, numbers.bubble_fraction) == (full.makespan, full.bubble_fraction)
+
+
+@pytest.mark.parametrize("case", JOBS[1::2], ids=[j[0] for j in JOBS[1::2]])
+def test_lowered_read_off_the_lists(case):
+    """``lowered=None`` (what `simulate` passes): the same run as with the flag `simulate` used to compute."""
+    _, steps, placement, costs, lowered, model = case
+    given = run_timed_fast(steps, placement, costs.step_time, _link(costs), lowered=lowered, model=model)
+    found = run_timed_fast(steps, placement, costs.step_time, _link(costs), lowered=None, model=model)
+    if given is None:
+        assert found is None
+        return
+    assert found.compute == given.compute and found.finish == given.finish and found.records == given.records

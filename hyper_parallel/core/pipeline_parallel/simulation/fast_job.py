@@ -56,6 +56,7 @@ _STEP_CODE = {t: _OTHER for t in _T}  # per step type: 0-3 F/B/I/W, 4 OVERLAP, 5
 _STEP_CODE.update(_SIMPLE)
 _STEP_CODE.update({_T.OVERLAP_B_F: 4, _T.OVERLAP_F_B: 4, _BATCH: 6})
 _STEP_CODE.update(dict.fromkeys(_MESSAGES, 5))
+assert {t for t, c in _STEP_CODE.items() if c in (5, 6)} == {t for t in _T if t.is_comm}  # lowered = any of them
 _PART_CODE = {t: k for k, t in enumerate(_MESSAGES)}  # message part type -> row of the tables below
 _PART_KIND = np.asarray([_KIND_CODE[kind] for kind, _, _ in _MESSAGES.values()], dtype=np.int64)
 _PART_SHIFT = np.asarray([shift for _, shift, _ in _MESSAGES.values()], dtype=np.int64)
@@ -128,14 +129,14 @@ def compile_job(
     step_time: Callable[[MetaStep], float],
     link_time: Callable[[str, int], float],
     *,
-    lowered: bool,
+    lowered: bool | None,
     wait_at_post: bool,
 ) -> CompiledJob | None:
     """The job as flat arrays (see the module docstring); None where the exact model must run.
 
     ``step_time(step)`` is a compute step's duration (for F, B, I and W it may depend only on
     the step's type and stage); ``link_time(kind, stage)`` the message time of every value
-    ``(kind, stage, micro)``."""
+    ``(kind, stage, micro)``. ``lowered=None``: lowered when a step is a send/recv or BATCH."""
     try:
         return _Compiler(schedule, stage_to_rank, step_time, link_time, lowered, wait_at_post).run()
     except Unsupported:
@@ -153,7 +154,7 @@ def _ints(values: list) -> np.ndarray:
 
 class _Compiler:
     def __init__(self, schedule: Schedule, stage_to_rank: dict[int, int], step_time: Callable[[MetaStep], float],
-                 link_time: Callable[[str, int], float], lowered: bool, wait_at_post: bool) -> None:
+                 link_time: Callable[[str, int], float], lowered: bool | None, wait_at_post: bool) -> None:
         self.schedule = schedule
         self.num_stages = len(stage_to_rank)
         self.owner = [stage_to_rank.get(s) for s in range(self.num_stages)]
@@ -197,6 +198,8 @@ class _Compiler:
         rank_of = np.repeat(np.asarray(job.ranks, dtype=np.int64), np.diff(bounds))
         compute_at = np.flatnonzero(codes <= 4)
         comm_at = np.flatnonzero((codes == 5) | (codes == 6))
+        if self.lowered is None:  # a send/recv or BATCH step: a lowered list
+            self.lowered = bool(comm_at.size)
         if comm_at.size and not self.lowered:
             raise Unsupported
         entry = np.zeros(total, dtype=np.int64)

@@ -40,7 +40,7 @@ def run_timed_fast(
     step_time: Callable[[MetaStep], float],
     link_time: Callable[[str, int], float],
     *,
-    lowered: bool = True,
+    lowered: bool | None = True,
     model: str = "eager",
     wait_at_post: bool = False,
     timelines: bool = True,
@@ -48,7 +48,8 @@ def run_timed_fast(
     """`timed_model.run_timed` without runtime costs, or None where the exact model must run.
 
     ``link_time(kind, stage)``: the message time of the values ``(kind, stage, micro)`` of every
-    micro-batch (as `CostModel.message_time` is)."""
+    micro-batch (as `CostModel.message_time` is). ``lowered=None``: lowered when a step is a
+    send/recv or BATCH."""
     if model not in MODELS:
         raise ValueError(f"unknown communication model {model!r}; valid: {', '.join(MODELS)}")
     collecting = gc.isenabled()

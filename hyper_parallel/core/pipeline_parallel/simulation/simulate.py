@@ -114,15 +114,15 @@ def simulate(
     tuner reads): the ``timeline`` lists may then be left empty and ``records`` with them.
     """
     table = _cost_model(costs, comm_cost, len(stage_to_rank))
-    lowered = _has_communication(schedule)
     runtime = table.runtime  # present, even all 0: simulate as the runtime runs (monotonic from 0)
     outcome = None
     if runtime is None:  # the same run on compiled lists (fast_timed.py); None: the exact model must run
         collecting = gc.isenabled()
         gc.disable()  # millions of tuples and floats without cycles: the collector would walk them again and again
         try:
-            outcome = run_timed_fast(schedule, stage_to_rank, table.step_time, _link_time(table), lowered=lowered,
-                                     model=model, wait_at_post=wait_at_post, timelines=timelines)
+            outcome = run_timed_fast(schedule, stage_to_rank, table.step_time, _link_time(table), lowered=None,
+                                     model=model, wait_at_post=wait_at_post, timelines=timelines)  # None: a
+            # list with send/recv or BATCH steps is a lowered one, as below
             if outcome is not None and outcome.finished:
                 compiled = getattr(outcome, "compiled", None)
                 peaks = None if compiled is None else fast_peaks(schedule, compiled, table)
@@ -133,7 +133,7 @@ def simulate(
                 gc.enable()
     if outcome is None:
         step_time = table.step_time if runtime is None else _as_the_runtime_runs(table)
-        outcome = run_timed(schedule, stage_to_rank, step_time, table.message_time, lowered=lowered,
+        outcome = run_timed(schedule, stage_to_rank, step_time, table.message_time, lowered=_has_communication(schedule),
                             model=model, wait_at_post=wait_at_post, runtime=runtime)
     if not outcome.finished:
         lines = []
