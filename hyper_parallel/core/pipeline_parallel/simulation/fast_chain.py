@@ -188,7 +188,7 @@ class _Plan:
         for values in (durations, op_time, a["adds"]):
             if not (np.all(np.isfinite(values)) and np.all(values >= 0)):
                 return False
-        op_send, op_group, op_other, group_meta = a["op_send"], a["op_group"], a["op_other"], a["group_meta"]
+        op_send, op_group, group_meta = a["op_send"], a["op_group"], a["group_meta"]
         groups = len(job.group_steps)
         receives = np.bincount(op_group[~op_send], minlength=groups)
         waits = (group_meta | wait_at_post) & (receives > 0)
@@ -214,6 +214,47 @@ class _Plan:
         issued = prev_node[a["group_entry"]]  # per group: the node whose end is its issue time
         data_op = ~group_meta[op_group] if stream else np.zeros(op_group.size, dtype=bool)
 
+        if groups == 0:  # compute steps only: their inputs are the compiled ones, one per slot
+            dep = np.full((_SLOTS, nodes), -1, dtype=np.int64)
+            adds = np.zeros((_SLOTS, nodes), dtype=np.float64)
+            for slot in range(a["deps"].shape[0]):
+                cells = a["deps"][slot]
+                dep[slot] = np.where(cells >= 0, cells - job.num_ops, -1)
+                adds[slot] = a["adds"][slot]
+        else:
+            built = self._inputs(count, nodes, waits, group_node, active, issued, data_op,
+                                 data_groups, n_data, groups)
+            if built is None:
+                return False
+            dep, adds = built
+
+        bounds = _rank_bounds(job, entry_rank)
+        programs: list[list[int]] = []
+        for k in range(len(job.ranks)):
+            mine = node_of_entry[bounds[k]:bounds[k + 1]]
+            programs.append(mine[mine >= 0].tolist())
+        if n_data:
+            data_bounds = _rank_bounds(job, a["group_rank"][data_groups])
+            pairs = np.empty(2 * n_data, dtype=np.int64)
+            pairs[0::2], pairs[1::2] = active[data_groups], active[data_groups] + n_data
+            for k in range(len(job.ranks)):
+                if data_bounds[k + 1] > data_bounds[k]:
+                    programs.append(pairs[2 * data_bounds[k]:2 * data_bounds[k + 1]].tolist())
+        self.programs = programs
+        used = [bool(np.any(dep[j] >= 0)) for j in range(_SLOTS)]  # a slot no node uses: read as -1 all along
+        self.deps = [dep[j].tolist() if used[j] else [-1] * nodes for j in range(_SLOTS)]
+        self.adds = [adds[j].tolist() if used[j] else [0.0] * nodes for j in range(_SLOTS)]
+        self.durations = np.concatenate([durations, np.zeros(n_wait + 2 * n_data)]).tolist()
+        self.prev_node, self.node_of_entry, self.issued, self.active = prev_node, node_of_entry, issued, active
+        self.data_op, self.n_data, self.data_groups = data_op, n_data, data_groups
+        return True
+
+    def _inputs(self, count: int, nodes: int, waits: np.ndarray, group_node: np.ndarray,
+                active: np.ndarray, issued: np.ndarray, data_op: np.ndarray, data_groups: np.ndarray, n_data: int,
+                groups: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every node's inputs ``(cell, add)`` by slot (see the module docstring); None: not exact here."""
+        job, a = self.job, self.job.arrays
+        op_time, op_send, op_group, op_other = a["op_time"], a["op_send"], a["op_group"], a["op_other"]
         inputs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (node, cell, add)
 
         def receive_inputs(node: np.ndarray, recv: np.ndarray) -> None:
@@ -236,7 +277,7 @@ class _Plan:
             if np.any(got):
                 recv = cells[got]
                 if np.any(a["group_entry"][op_group[recv]] > compute_entry[got]):
-                    return False  # posted after the step that needs it: the exact model waits forever
+                    return None  # posted after the step that needs it: the exact model waits forever
                 receive_inputs(number[got], recv)
         waiting_recvs = np.flatnonzero(~op_send & waits[op_group])
         receive_inputs(group_node[op_group[waiting_recvs]], waiting_recvs)
@@ -260,32 +301,12 @@ class _Plan:
         add = np.concatenate([i[2] for i in inputs])[order]
         slot = np.arange(node.size) - np.searchsorted(node, node)
         if np.any(slot >= _SLOTS):
-            return False
+            return None
         dep = np.full((_SLOTS, nodes), -1, dtype=np.int64)
         adds = np.zeros((_SLOTS, nodes), dtype=np.float64)
         dep[slot, node] = cell
         adds[slot, node] = add
-
-        bounds = _rank_bounds(job, entry_rank)
-        programs: list[list[int]] = []
-        for k in range(len(job.ranks)):
-            mine = node_of_entry[bounds[k]:bounds[k + 1]]
-            programs.append(mine[mine >= 0].tolist())
-        if n_data:
-            data_bounds = _rank_bounds(job, a["group_rank"][data_groups])
-            pairs = np.empty(2 * n_data, dtype=np.int64)
-            pairs[0::2], pairs[1::2] = active[data_groups], active[data_groups] + n_data
-            for k in range(len(job.ranks)):
-                if data_bounds[k + 1] > data_bounds[k]:
-                    programs.append(pairs[2 * data_bounds[k]:2 * data_bounds[k + 1]].tolist())
-        self.programs = programs
-        used = [bool(np.any(dep[j] >= 0)) for j in range(_SLOTS)]  # a slot no node uses: read as -1 all along
-        self.deps = [dep[j].tolist() if used[j] else [-1] * nodes for j in range(_SLOTS)]
-        self.adds = [adds[j].tolist() if used[j] else [0.0] * nodes for j in range(_SLOTS)]
-        self.durations = np.concatenate([durations, np.zeros(n_wait + 2 * n_data)]).tolist()
-        self.prev_node, self.node_of_entry, self.issued, self.active = prev_node, node_of_entry, issued, active
-        self.data_op, self.n_data, self.data_groups = data_op, n_data, data_groups
-        return True
+        return dep, adds
 
     # ------------------------------------------------------------------ after the run
     def _op_times(self, times: np.ndarray) -> np.ndarray:
