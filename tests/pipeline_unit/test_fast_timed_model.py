@@ -196,3 +196,159 @@ def test_peaks_equal_the_part_by_part_count(case):
     for rank_steps in steps.values():
         assert (peak_activations(rank_steps), peak_activation_bytes(rank_steps, costs)) == \
             _reference_peaks(rank_steps, costs)
+
+
+# ---------------------------------------------------------------------- round 2: chain run, numpy peaks
+
+
+def _compiled(case, wait_at_post):
+    from hyper_parallel.core.pipeline_parallel.simulation.fast_job import compile_job
+
+    _, steps, placement, costs, lowered, _ = case
+    return compile_job(steps, placement, costs.step_time, _link(costs), lowered=lowered, wait_at_post=wait_at_post)
+
+
+@pytest.mark.parametrize("wait_at_post", [False, True])
+@pytest.mark.parametrize("case", JOBS, ids=[j[0] for j in JOBS])
+def test_chain_run_is_taken_and_equals_the_exact_model(case, wait_at_post):
+    """The chain run itself (not a fallback behind it) gives the exact model's outcome wherever it
+    finishes, eager and stream, and declines only where the exact model does not finish or (with
+    OVERLAP steps) a node would have more than six inputs."""
+    from hyper_parallel.core.pipeline_parallel.simulation.fast_chain import _Plan, run_chain
+
+    _, steps, placement, costs, lowered, model = case
+    exact = run_timed(steps, placement, costs.step_time, costs.message_time, lowered=lowered, model=model,
+                      wait_at_post=wait_at_post)
+    job = _compiled(case, wait_at_post)
+    assert job is not None
+    chain = run_chain(job, len(placement), wait_at_post, model == "stream")
+    if chain is None:
+        if _Plan.make(job, wait_at_post, model == "stream") is None:
+            assert any(s is not None and s.meta_type.is_overlap for ss in steps.values() for s in ss)
+        else:
+            assert not exact.finished
+        return
+    assert exact.finished
+    assert chain.finish == exact.finish
+    assert chain.compute == exact.compute
+    for rank, timeline in exact.compute.items():
+        assert all(x[2] is y[2] for x, y in zip(timeline, chain.compute[rank]))
+    assert chain.records == exact.records
+
+
+@pytest.mark.parametrize("case", JOBS[::2], ids=[j[0] for j in JOBS[::2]])
+def test_general_run_still_equals_the_exact_model(case, monkeypatch):
+    """The general fast run, behind the chain run, stays exact."""
+    from hyper_parallel.core.pipeline_parallel.simulation import fast_timed
+
+    monkeypatch.setattr(fast_timed, "run_chain", lambda *a: None)
+    _, steps, placement, costs, lowered, model = case
+    exact = run_timed(steps, placement, costs.step_time, costs.message_time, lowered=lowered, model=model)
+    fast = run_timed_fast(steps, placement, costs.step_time, _link(costs), lowered=lowered, model=model)
+    if not exact.finished:
+        assert fast is None
+        return
+    assert fast.finish == exact.finish and fast.compute == exact.compute and fast.records == exact.records
+
+
+@pytest.mark.parametrize("case", JOBS, ids=[j[0] for j in JOBS])
+def test_numpy_peaks_equal_the_loops(case):
+    from hyper_parallel.core.pipeline_parallel.simulation.fast_summary import fast_peaks
+
+    _, steps, _, costs, _, _ = case
+    job = _compiled(case, False)
+    found = fast_peaks(steps, job, costs)
+    if found is None:  # OVERLAP steps: counted by the loops
+        assert any(s is not None and s.meta_type.is_overlap for ss in steps.values() for s in ss)
+        return
+    peaks, peak_bytes = found
+    assert list(peaks) == list(steps) and list(peak_bytes) == list(steps)
+    for rank, rank_steps in steps.items():
+        assert peaks[rank] == peak_activations(rank_steps)
+        assert type(peak_bytes[rank]) is float
+        assert peak_bytes[rank] == peak_activation_bytes(rank_steps, costs)
+
+
+def test_numpy_peaks_follow_the_order_of_additions():
+    """Bytes whose sum depends on the order (0.1 + 0.2 - 0.1 is not 0.2): still the loop's floats."""
+    from hyper_parallel.core.pipeline_parallel.simulation.fast_job import compile_job
+    from hyper_parallel.core.pipeline_parallel.simulation.fast_summary import fast_peaks
+
+    costs = CostModel(stages=tuple(StageCost(F=1.0, B=2.0, activation_bytes=b, activation_bytes_after_input=b / 3)
+                                   for b in (0.1, 0.2, 0.7, 1e16)))
+    placement = {0: 0, 1: 0, 2: 0, 3: 0}
+    order = [MetaStep(0, _T.FWD, 0), MetaStep(0, _T.FWD, 1), MetaStep(0, _T.FWD, 3), MetaStep(0, _T.BWD_INPUT, 3),
+             MetaStep(0, _T.FWD, 2), MetaStep(0, _T.BWD_WEIGHT, 3), MetaStep(0, _T.BWD, 2), MetaStep(0, _T.BWD, 1),
+             MetaStep(0, _T.BWD, 0)]
+    steps = {0: order}
+    job = compile_job(steps, placement, costs.step_time, _link(costs), lowered=False, wait_at_post=False)
+    peaks, peak_bytes = fast_peaks(steps, job, costs)
+    assert peaks == {0: peak_activations(order)}
+    assert peak_bytes == {0: peak_activation_bytes(order, costs)}
+
+
+@pytest.mark.parametrize("model", ["eager", "stream"])
+def test_a_receive_nobody_consumes_still_ends_its_rank(model):
+    """A rank is done when its last message completed, even when no step of it consumes the value."""
+    from hyper_parallel.core.pipeline_parallel.simulation.fast_chain import run_chain
+
+    placement = {0: 0, 1: 1}
+    steps = {0: [MetaStep(0, _T.FWD, 0), MetaStep(0, _T.FWD_SEND, 0)], 1: [MetaStep(0, _T.FWD_RECV, 1)]}
+    costs = CostModel.per_rank_share(2, 1).for_stages(2)
+    costs = CostModel(stages=costs.stages, p2p_latency_ms=0.25)
+    exact = run_timed(steps, placement, costs.step_time, costs.message_time, model=model)
+    job = _compiled(("", steps, placement, costs, True, model), False)
+    chain = run_chain(job, 2, False, model == "stream")
+    assert chain is not None and exact.finish[1] > 0.0 and exact.finish[0] > 0.0
+    assert chain.finish == exact.finish and chain.records == exact.records
+
+
+def test_busy_and_lowered_detection_as_written_before():
+    """`simulate`'s busy time (sum of step lengths in order) and its test for a lowered list, now made in C,
+    against the loops they replace."""
+    import random
+
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import _busy, _has_communication
+
+    rng = random.Random(7)
+    step = MetaStep(0, _T.FWD, 0)
+    for size in (0, 1, 5, 1000):
+        points = sorted(rng.uniform(0, 1e6) * rng.choice((1e-9, 1.0, 3.7)) for _ in range(2 * size))
+        timeline = [(points[2 * k], points[2 * k + 1], step) for k in range(size)]
+        assert repr(_busy(timeline)) == repr(sum(end - start for start, end, _ in timeline))
+    for _, steps, *_ in JOBS[::5]:
+        holes = {rank: [None, *ss, None] for rank, ss in steps.items()}
+        expected = any(s is not None and s.meta_type.is_comm for ss in holes.values() for s in ss)
+        assert _has_communication(holes) == expected
+
+
+@pytest.mark.parametrize("wait_at_post", [False, True])
+@pytest.mark.parametrize("case", JOBS[::2], ids=[j[0] for j in JOBS[::2]])
+def test_numbers_only_equal_the_full_result(case, wait_at_post):
+    """`simulate(..., timelines=False)` (what the tuner asks for) gives every number of the full run."""
+    _, steps, placement, costs, _, model = case
+    try:
+        full = simulate(steps, placement, costs, model=model, wait_at_post=wait_at_post)
+    except ScheduleError as exc:
+        with pytest.raises(ScheduleError) as caught:
+            simulate(steps, placement, costs, model=model, wait_at_post=wait_at_post, timelines=False)
+        assert str(caught.value) == str(exc)
+        return
+    numbers = simulate(steps, placement, costs, model=model, wait_at_post=wait_at_post, timelines=False)
+    assert numbers.summary() == full.summary()
+    assert numbers.busy == full.busy and numbers.bubble_per_rank == full.bubble_per_rank
+    assert numbers.peak_activations == full.peak_activations
+    assert numbers.peak_activation_bytes == full.peak_activation_bytes
+    assert (numbers.makespan, numbers.bubble_fraction) == (full.makespan, full.bubble_fraction)
+
+
+@pytest.mark.parametrize("case", JOBS[1::2], ids=[j[0] for j in JOBS[1::2]])
+def test_lowered_read_off_the_lists(case):
+    """``lowered=None`` (what `simulate` passes): the same run as with the flag `simulate` used to compute."""
+    _, steps, placement, costs, lowered, model = case
+    given = run_timed_fast(steps, placement, costs.step_time, _link(costs), lowered=lowered, model=model)
+    found = run_timed_fast(steps, placement, costs.step_time, _link(costs), lowered=None, model=model)
+    if given is None:
+        assert found is None
+        return
+    assert found.compute == given.compute and found.finish == given.finish and found.records == given.records

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain, repeat
+from operator import attrgetter
 
 import numpy as np
 
@@ -45,24 +47,32 @@ class Unsupported(Exception):
     """The job holds something the fast run does not model the way the exact model does."""
 
 
-@dataclass
-class Comm:
-    """One communication step: its operations' cells, the receives it waits for, its group."""
-
-    step: MetaStep
-    ops: tuple[int, ...]
-    is_meta: bool
-    blocking: tuple[int, ...]
-    group: int
+_TYPE = attrgetter("meta_type")
+_STAGE = attrgetter("stage_index")
+_MICRO = attrgetter("micro_index")
+_SUBS = attrgetter("sub_steps")
+_OTHER = 7
+_STEP_CODE = {t: _OTHER for t in _T}  # per step type: 0-3 F/B/I/W, 4 OVERLAP, 5 send/recv, 6 BATCH, 7 other
+_STEP_CODE.update(_SIMPLE)
+_STEP_CODE.update({_T.OVERLAP_B_F: 4, _T.OVERLAP_F_B: 4, _BATCH: 6})
+_STEP_CODE.update(dict.fromkeys(_MESSAGES, 5))
+assert {t for t, c in _STEP_CODE.items() if c in (5, 6)} == {t for t in _T if t.is_comm}  # lowered = any of them
+_PART_CODE = {t: k for k, t in enumerate(_MESSAGES)}  # message part type -> row of the tables below
+_PART_KIND = np.asarray([_KIND_CODE[kind] for kind, _, _ in _MESSAGES.values()], dtype=np.int64)
+_PART_SHIFT = np.asarray([shift for _, shift, _ in _MESSAGES.values()], dtype=np.int64)
+_PART_SEND = np.asarray([send for _, _, send in _MESSAGES.values()], dtype=bool)
+_NO_OPS: tuple[int, ...] = ()
 
 
 @dataclass
 class CompiledJob:
-    """Flat programs per rank plus what the fast run needs about cells and messages."""
+    """Flat programs per rank plus what the fast run needs about cells and messages.
+
+    A communication step is a *group* ``g`` (its entry in a program is ``-1 - g``); its
+    operations are the consecutive cells ``group_start[g] .. group_start[g + 1] - 1``."""
 
     ranks: list[int]
     program: dict[int, list[int]]
-    comms: list[Comm] = field(default_factory=list)
     steps: list[MetaStep] = field(default_factory=list)  # compute step k
     durations: list[float] = field(default_factory=list)
     deps: list[list[int]] = field(default_factory=list)  # slot j -> cell per compute step (-1: none)
@@ -75,13 +85,42 @@ class CompiledJob:
     op_time: list[float] = field(default_factory=list)  # message time
     op_group: list[int] = field(default_factory=list)
     # per group (one per communication step)
-    group_ops: list[tuple[int, ...]] = field(default_factory=list)
+    group_steps: list[MetaStep] = field(default_factory=list)
+    group_start: list[int] = field(default_factory=list)  # one more entry than groups
+    group_meta: list[bool] = field(default_factory=list)
+    group_blocking: list[tuple[int, ...]] = field(default_factory=list)  # the receives it waits for
     group_rank: list[int] = field(default_factory=list)
     sends: dict[int, list[int]] = field(default_factory=dict)  # rank -> its send cells in program order
+    arrays: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # the same as numpy arrays
+    listed: bool = False  # whether the list fields were filled from the arrays (`lists`)
 
     @property
     def num_ops(self) -> int:
         return len(self.op_steps)
+
+    def lists(self) -> CompiledJob:
+        """Fill the list fields from ``arrays`` (once): the general run reads them item by item; the
+        chain run (``fast_chain.py``) reads the arrays and never needs them."""
+        if self.listed:
+            return self
+        self.listed = True
+        a = self.arrays
+        self.deps, self.adds, self.received = a["deps"].tolist(), a["adds"].tolist(), a["received"].tolist()
+        self.op_send, self.op_other = a["op_send"].tolist(), a["op_other"].tolist()
+        self.op_time, self.op_group = a["op_time"].tolist(), a["op_group"].tolist()
+        self.group_start, self.group_meta = a["group_start"].tolist(), a["group_meta"].tolist()
+        self.group_rank = a["group_rank"].tolist()
+        ends = self.ranks + [self.ranks[-1] + 1] if self.ranks else []
+        bounds = np.searchsorted(a["entry_rank"], ends)
+        sends = np.flatnonzero(a["op_send"])
+        send_bounds = np.searchsorted(a["op_rank"][sends], ends)
+        for k, rank in enumerate(self.ranks):
+            self.program[rank] = a["entries"][bounds[k]:bounds[k + 1]].tolist()
+            self.sends[rank] = sends[send_bounds[k]:send_bounds[k + 1]].tolist()
+        return self
+
+    def group_ops(self, group: int) -> range:
+        return range(self.group_start[group], self.group_start[group + 1])
 
 
 def compile_job(
@@ -90,23 +129,32 @@ def compile_job(
     step_time: Callable[[MetaStep], float],
     link_time: Callable[[str, int], float],
     *,
-    lowered: bool,
+    lowered: bool | None,
     wait_at_post: bool,
 ) -> CompiledJob | None:
     """The job as flat arrays (see the module docstring); None where the exact model must run.
 
     ``step_time(step)`` is a compute step's duration (for F, B, I and W it may depend only on
     the step's type and stage); ``link_time(kind, stage)`` the message time of every value
-    ``(kind, stage, micro)``."""
+    ``(kind, stage, micro)``. ``lowered=None``: lowered when a step is a send/recv or BATCH."""
     try:
         return _Compiler(schedule, stage_to_rank, step_time, link_time, lowered, wait_at_post).run()
     except Unsupported:
         return None
 
 
+def _ints(values: list) -> np.ndarray:
+    """Step indices (ints, or None as -1) as an int64 array; Unsupported where one is too large to
+    pass through a float exactly (None becomes NaN there)."""
+    array = np.asarray(values, dtype=np.float64)
+    if array.size and np.nanmax(np.abs(array), initial=0.0) >= 2.0 ** 52:
+        raise Unsupported
+    return np.where(np.isnan(array), -1.0, array).astype(np.int64)
+
+
 class _Compiler:
     def __init__(self, schedule: Schedule, stage_to_rank: dict[int, int], step_time: Callable[[MetaStep], float],
-                 link_time: Callable[[str, int], float], lowered: bool, wait_at_post: bool) -> None:
+                 link_time: Callable[[str, int], float], lowered: bool | None, wait_at_post: bool) -> None:
         self.schedule = schedule
         self.num_stages = len(stage_to_rank)
         self.owner = [stage_to_rank.get(s) for s in range(self.num_stages)]
@@ -114,19 +162,10 @@ class _Compiler:
         self.link_time = link_time
         self.lowered = lowered
         self.wait_at_post = wait_at_post
-        # compute steps: simple type code (4: OVERLAP), stage, micro, rank
-        self.codes: list[int] = []
-        self.stages: list[int | None] = []
-        self.micros: list[int | None] = []
-        self.ranks_of: list[int] = []
         # OVERLAP steps, worked out part by part: (step number, slot, key) consumed, (step number, key) made
         self.extra_wanted: list[tuple[int, int, int]] = []
         self.extra_made: list[tuple[int, int]] = []
         self.extra_durations: dict[int, float] = {}
-        self.send_of: dict[int, int] = {}  # message key -> send cell
-        self.recv_of: dict[int, int] = {}  # message key -> receive cell
-        self.op_rank: list[int] = []
-        self.group_meta: list[bool] = []
         self.links: dict[tuple[str, int], float] = {}  # message time by (kind, stage)
 
     def run(self) -> CompiledJob:
@@ -146,41 +185,38 @@ class _Compiler:
     def _key(self, kind: int, stage: int, micro: int) -> int:
         return (micro * self.num_stages + stage) * 3 + kind
 
-    # ------------------------------------------------------------------ the pass over the lists
+    # ------------------------------------------------------------------ the lists, as arrays
     def _run(self) -> CompiledJob:
         job = CompiledJob(sorted(self.schedule), {})
+        flat: list[MetaStep] = []
+        bounds = [0]
         for rank in job.ranks:
-            program: list[int] = []
-            job.program[rank] = program
-            job.sends[rank] = []
-            for step in self.schedule[rank]:
-                if step is None:
-                    continue
-                kind = step.meta_type
-                code = _SIMPLE.get(kind)
-                if code is not None:
-                    program.append(len(job.steps))
-                    job.steps.append(step)
-                    self.codes.append(code)
-                    self.stages.append(step.stage_index)
-                    self.micros.append(step.micro_index)
-                    self.ranks_of.append(rank)
-                elif kind.is_overlap:
-                    program.append(len(job.steps))
-                    self._overlap(step, len(job.steps))
-                    job.steps.append(step)
-                    self.codes.append(4)
-                    self.stages.append(0)
-                    self.micros.append(0)
-                    self.ranks_of.append(rank)
-                elif kind.is_comm:
-                    if not self.lowered:
-                        raise Unsupported
-                    program.append(-1 - len(job.comms))
-                    job.comms.append(self._comm(job, rank, step))
-                # other steps (FSDP, swap, MPipe preprocess) take no time and leave no record
-        self._match(job)
-        self._compute_arrays(job)
+            flat.extend(filter(None, self.schedule[rank]))  # a MetaStep is never falsy
+            bounds.append(len(flat))
+        total = len(flat)
+        codes = np.fromiter(map(_STEP_CODE.__getitem__, map(_TYPE, flat)), dtype=np.int8, count=total)
+        rank_of = np.repeat(np.asarray(job.ranks, dtype=np.int64), np.diff(bounds))
+        compute_at = np.flatnonzero(codes <= 4)
+        comm_at = np.flatnonzero((codes == 5) | (codes == 6))
+        if self.lowered is None:  # a send/recv or BATCH step: a lowered list
+            self.lowered = bool(comm_at.size)
+        if comm_at.size and not self.lowered:
+            raise Unsupported
+        entry = np.zeros(total, dtype=np.int64)
+        entry[compute_at] = np.arange(compute_at.size)
+        entry[comm_at] = -1 - np.arange(comm_at.size)
+        kept = codes != _OTHER
+        positions = np.flatnonzero(kept)  # where each program entry sits in `flat`
+        entries = entry[positions]
+
+        job.steps = [flat[i] for i in compute_at.tolist()]
+        compute_codes = codes[compute_at].astype(np.int64)
+        compute_rank = rank_of[compute_at]
+        self._comms(job, flat, codes, comm_at, rank_of)
+        job.arrays.update(code=compute_codes, rank=compute_rank, entries=entries, entry_rank=rank_of[positions],
+                          compute_entry=np.searchsorted(positions, compute_at),
+                          group_entry=np.searchsorted(positions, comm_at))
+        self._compute_arrays(job, compute_codes, compute_rank)
         return job
 
     def _overlap(self, step: MetaStep, number: int) -> None:
@@ -201,72 +237,79 @@ class _Compiler:
             raise Unsupported
         self.extra_durations[number] = float(self.step_time(step))
 
-    def _comm(self, job: CompiledJob, rank: int, step: MetaStep) -> Comm:
-        group = len(job.group_ops)
-        ops: list[int] = []
-        blocking: list[int] = []
-        is_meta = step.meta_type.is_meta
-        parts = step.sub_steps or () if step.meta_type is _BATCH else (step,)
-        stages_total = self.num_stages
-        for part in parts:
-            entry = _MESSAGES.get(part.meta_type)  # as ir.steps.message_key, without a call per part
-            stage, micro = part.stage_index, part.micro_index
-            if entry is None or stage is None or micro is None:
-                raise Unsupported  # no message: the exact model raises
-            kind, shift, is_send = entry
-            stage += shift
-            if not (0 <= stage < stages_total) or micro < 0:
-                raise Unsupported
-            code = (micro * stages_total + stage) * 3 + _KIND_CODE[kind]
-            op = len(job.op_steps)
-            table = self.send_of if is_send else self.recv_of
-            if code in table:
-                raise Unsupported  # sent or received twice
-            table[code] = op
-            job.op_steps.append(part)
-            job.op_send.append(is_send)
-            job.op_other.append(-1)
-            job.op_time.append(self._link(kind, stage))
-            job.op_group.append(group)
-            self.op_rank.append(rank)
-            ops.append(op)
-            if is_send:
-                job.sends[rank].append(op)
-            elif is_meta or self.wait_at_post:
-                blocking.append(op)
-        job.group_ops.append(tuple(ops))
-        job.group_rank.append(rank)
-        self.group_meta.append(is_meta)
-        return Comm(step, tuple(ops), is_meta, tuple(blocking), group)
-
-    def _match(self, job: CompiledJob) -> None:
-        """Pair every send with its receive (on the rank of the consuming stage)."""
-        if len(self.send_of) != len(self.recv_of):
+    def _comms(self, job: CompiledJob, flat: list[MetaStep], codes: np.ndarray, comm_at: np.ndarray,
+               rank_of: np.ndarray) -> None:
+        """The communication steps: their operations (cells), counterparts, message times."""
+        job.group_steps = comms = [flat[i] for i in comm_at.tolist()]
+        batch = (codes[comm_at] == 6).tolist()
+        parts_of = [((subs or ()) if is_batch else (step,)) for step, subs, is_batch in
+                    zip(comms, map(_SUBS, comms), batch)]
+        counts = np.fromiter(map(len, parts_of), dtype=np.int64, count=len(parts_of))
+        job.op_steps = parts = list(chain.from_iterable(parts_of))
+        ops = len(parts)
+        row = np.fromiter(map(_PART_CODE.get, map(_TYPE, parts), repeat(-1)), dtype=np.int64, count=ops)
+        if np.any(row < 0):
+            raise Unsupported  # no message: the exact model raises
+        stage = _ints(list(map(_STAGE, parts)))
+        micro = _ints(list(map(_MICRO, parts)))
+        if np.any(stage < 0) or np.any(micro < 0):
             raise Unsupported
-        for code, send in self.send_of.items():
-            recv = self.recv_of.get(code)
-            if recv is None:
-                raise Unsupported
-            kind, stage = code % 3, code // 3 % self.num_stages
-            consumer = stage - 1 if kind == 1 else stage + 1
-            if not 0 <= consumer < self.num_stages or self.owner[consumer] != self.op_rank[recv]:
-                raise Unsupported
-            if self.group_meta[job.op_group[send]] != self.group_meta[job.op_group[recv]]:
-                raise Unsupported
-            job.op_other[send] = recv
-            job.op_other[recv] = send
+        stages_total = self.num_stages
+        kind, is_send = _PART_KIND[row], _PART_SEND[row]
+        stage = stage + _PART_SHIFT[row]
+        if np.any((stage < 0) | (stage >= stages_total)):
+            raise Unsupported
+        key = (micro * stages_total + stage) * 3 + kind
+        group = np.repeat(np.arange(len(comms), dtype=np.int64), counts)
+        op_rank = np.repeat(rank_of[comm_at], counts)
+        group_meta = np.fromiter((t.is_meta for t in map(_TYPE, comms)), dtype=bool, count=len(comms))
+        send_cells, recv_cells = np.flatnonzero(is_send), np.flatnonzero(~is_send)
+        send_order = send_cells[np.argsort(key[send_cells], kind="stable")]
+        recv_order = recv_cells[np.argsort(key[recv_cells], kind="stable")]
+        send_keys, recv_keys = key[send_order], key[recv_order]
+        for keys in (send_keys, recv_keys):
+            if keys.size > 1 and np.any(keys[1:] == keys[:-1]):
+                raise Unsupported  # sent or received twice
+        if send_keys.size != recv_keys.size or np.any(send_keys != recv_keys):
+            raise Unsupported  # a message without its counterpart
+        consumer = np.where(kind[recv_order] == 1, stage[recv_order] - 1, stage[recv_order] + 1)
+        if np.any((consumer < 0) | (consumer >= stages_total)):
+            raise Unsupported
+        owner = np.asarray(self.owner, dtype=np.int64)
+        if np.any(owner[consumer] != op_rank[recv_order]):
+            raise Unsupported
+        if np.any(group_meta[group[send_order]] != group_meta[group[recv_order]]):
+            raise Unsupported
+        other = np.empty(ops, dtype=np.int64)
+        other[send_order] = recv_order
+        other[recv_order] = send_order
+        links = np.asarray([[self._link(k, s) for k in "FGM"] for s in range(stages_total)], np.float64)
+        start = np.zeros(len(comms) + 1, dtype=np.int64)
+        np.cumsum(counts, out=start[1:])
+        blocking = [_NO_OPS] * len(comms)
+        waits = (group_meta | self.wait_at_post)[group] & ~is_send
+        for g, op in zip(group[waits].tolist(), np.flatnonzero(waits).tolist()):
+            blocking[g] += (op,)
+        job.group_blocking = blocking
+        self.recv_sorted, self.recv_cells = recv_keys, recv_order
+        self.op_rank = op_rank
+        job.arrays.update(op_group=group, op_other=other, op_send=is_send, op_time=links[stage, kind],
+                          op_rank=op_rank, group_meta=group_meta, group_start=start, group_rank=rank_of[comm_at])
 
     # ------------------------------------------------------------------ compute steps, with numpy
-    def _compute_arrays(self, job: CompiledJob) -> None:
+    def _compute_arrays(self, job: CompiledJob, code: np.ndarray, rank: np.ndarray) -> None:
         count = len(job.steps)
         stages_total = self.num_stages
-        code = np.asarray(self.codes, dtype=np.int64)
-        stage = np.asarray(self.stages, dtype=np.int64)  # TypeError (None) -> the exact model
-        micro = np.asarray(self.micros, dtype=np.int64)
-        rank = np.asarray(self.ranks_of, dtype=np.int64)
         simple = code < 4
+        stage = _ints(list(map(_STAGE, job.steps)))
+        micro = _ints(list(map(_MICRO, job.steps)))
+        for number in np.flatnonzero(~simple).tolist():
+            self._overlap(job.steps[number], number)
+        stage[~simple] = 0
+        micro[~simple] = 0
         if np.any(simple & ((stage < 0) | (stage >= stages_total) | (micro < 0))):
             raise Unsupported
+        job.arrays.update(stage=stage, micro=micro)
         number = np.arange(count, dtype=np.int64)
         base = job.num_ops
         job.durations = self._durations(job, code, stage)
@@ -293,11 +336,7 @@ class _Compiler:
             raise Unsupported  # made twice: the exact model's answer depends on which comes first
         owner = np.asarray(self.owner, dtype=np.int64)
         links = np.asarray([[self._link(k, s) for k in "FGM"] for s in range(stages_total)], np.float64)
-        recv_keys = np.asarray(list(self.recv_of), dtype=np.int64)
-        recv_cells = np.asarray(list(self.recv_of.values()), dtype=np.int64)
-        recv_order = np.argsort(recv_keys, kind="stable")
-        recv_sorted, recv_cells = recv_keys[recv_order], recv_cells[recv_order]
-        op_rank = np.asarray(self.op_rank, dtype=np.int64)
+        recv_sorted, recv_cells, op_rank = self.recv_sorted, self.recv_cells, self.op_rank
 
         deps = np.full((_SLOTS, count), -1, dtype=np.int64)
         adds = np.zeros((_SLOTS, count), dtype=np.float64)
@@ -318,9 +357,7 @@ class _Compiler:
             deps[slot, at[local]] = producer + base
             elsewhere = rank[producer] != rank[at[local]]
             adds[slot, at[local]] = np.where(elsewhere, links[key_stage[local], kind[local]], 0.0)
-        job.deps = deps.tolist()
-        job.adds = adds.tolist()
-        job.received = received.tolist()
+        job.arrays.update(deps=deps, adds=adds, received=received)
 
     def _keys(self, kind: int, stage: np.ndarray, micro: np.ndarray) -> np.ndarray:
         return (micro * self.num_stages + stage) * 3 + kind

@@ -28,7 +28,8 @@ from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, Schedule, consumes
 from hyper_parallel.core.pipeline_parallel.lowering.job_model import MODELS, producer_text
-from hyper_parallel.core.pipeline_parallel.simulation.fast_job import Comm, CompiledJob, compile_job
+from hyper_parallel.core.pipeline_parallel.simulation.fast_chain import run_chain
+from hyper_parallel.core.pipeline_parallel.simulation.fast_job import CompiledJob, compile_job
 from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import RecordSource
 from hyper_parallel.core.pipeline_parallel.simulation.timed_model import TimedOutcome
 
@@ -39,14 +40,16 @@ def run_timed_fast(
     step_time: Callable[[MetaStep], float],
     link_time: Callable[[str, int], float],
     *,
-    lowered: bool = True,
+    lowered: bool | None = True,
     model: str = "eager",
     wait_at_post: bool = False,
+    timelines: bool = True,
 ) -> TimedOutcome | None:
     """`timed_model.run_timed` without runtime costs, or None where the exact model must run.
 
     ``link_time(kind, stage)``: the message time of the values ``(kind, stage, micro)`` of every
-    micro-batch (as `CostModel.message_time` is)."""
+    micro-batch (as `CostModel.message_time` is). ``lowered=None``: lowered when a step is a
+    send/recv or BATCH."""
     if model not in MODELS:
         raise ValueError(f"unknown communication model {model!r}; valid: {', '.join(MODELS)}")
     collecting = gc.isenabled()
@@ -55,7 +58,12 @@ def run_timed_fast(
         job = compile_job(schedule, stage_to_rank, step_time, link_time, lowered=lowered, wait_at_post=wait_at_post)
         if job is None:
             return None
-        return _FastRun(job, len(stage_to_rank), model == "stream").run()
+        outcome = run_chain(job, len(stage_to_rank), wait_at_post, model == "stream", timelines)
+        if outcome is None:
+            outcome = _FastRun(job, len(stage_to_rank), model == "stream").run()
+        if outcome is not None:
+            outcome.compiled = job  # for the summary (fast_summary.py)
+        return outcome
     finally:
         if collecting:
             gc.enable()
@@ -63,11 +71,11 @@ def run_timed_fast(
 
 class _FastRun:
     def __init__(self, job: CompiledJob, num_stages: int, stream: bool) -> None:
-        self.job = job
+        self.job = job.lists()
         self.num_stages = num_stages
         self.stream = stream
         self.time: list[float | None] = [None] * (job.num_ops + len(job.steps))
-        groups = len(job.group_ops)
+        groups = len(job.group_steps)
         self.issued: list[float | None] = [None] * groups
         self.active: list[float | None] = [None] * groups
         self.completed: list[float | None] = [None] * groups
@@ -89,7 +97,7 @@ class _FastRun:
         for rank in self.job.ranks:
             if self.cursor[rank] < len(self.job.program[rank]):
                 return None
-            ends = [self.time[op] for g in self.queue[rank] for op in self.job.group_ops[g]]
+            ends = [self.time[op] for g in self.queue[rank] for op in self.job.group_ops(g)]
             if None in ends:
                 return None
             finish[rank] = max([self.clock[rank], *ends]) + 0.0  # type: ignore[list-item]
@@ -149,7 +157,7 @@ class _FastRun:
                 marks.append(end)
                 clock = end
             else:
-                after = self._communicate(rank, job.comms[-1 - k], clock)
+                after = self._communicate(rank, -1 - k, clock)
                 if after is None:
                     break
                 marks.append(after)
@@ -160,12 +168,13 @@ class _FastRun:
             waiting.setdefault(wait, []).append(rank)
 
     # ------------------------------------------------------------------ communication
-    def _communicate(self, rank: int, comm: Comm, clock: float) -> float | None:
+    def _communicate(self, rank: int, group: int, clock: float) -> float | None:
         """Issue a communication step (once) and wait for its blocking receives; the clock
         after it, or None while a receive it waits for is not done."""
-        blocking = comm.blocking
-        if self.issued[comm.group] is None:
-            self._issue(rank, comm.group, comm.ops, comm.is_meta, clock)
+        job = self.job
+        blocking = job.group_blocking[group]
+        if self.issued[group] is None:
+            self._issue(rank, group, job.group_ops(group), job.group_meta[group], clock)
         time = self.time
         for op in blocking:
             if time[op] is None:
@@ -183,7 +192,7 @@ class _FastRun:
         if woken:
             self.ready.extend(woken)
 
-    def _issue(self, rank: int, group: int, ops: tuple[int, ...], is_meta: bool, now: float) -> None:
+    def _issue(self, rank: int, group: int, ops: range, is_meta: bool, now: float) -> None:
         self.issued[group] = now
         if is_meta or not self.stream:  # metadata always, and every message in the eager model
             self.active[group] = now
@@ -219,7 +228,7 @@ class _FastRun:
             previous = self.completed[queue[head - 1]] if head > 0 else None
             issued = self.issued[group]
             mine = active[group] = max(issued, previous if previous is not None else issued)  # type: ignore[type-var]
-            for op in job.group_ops[group]:
+            for op in job.group_ops(group):
                 other = job.op_other[op]
                 other_group = job.op_group[other]
                 theirs = active[other_group]
@@ -235,7 +244,7 @@ class _FastRun:
     def _finish_group(self, group: int) -> bool:
         if self.completed[group] is not None:
             return False
-        ends = [self.time[op] for op in self.job.group_ops[group]]
+        ends = [self.time[op] for op in self.job.group_ops(group)]
         if None in ends:
             return False
         self.completed[group] = max(ends, default=self.active[group])  # type: ignore[type-var]
@@ -262,7 +271,7 @@ class _FastRun:
                     out.append(_record(rank, self._waited_for(k, start), "p2p-wait", before, start))
                 out.append(_record(rank, step, "compute", start, end))
             else:
-                step = job.comms[-1 - k].step
+                step = job.group_steps[-1 - k]
                 out.append(_record(rank, step, "p2p-issue", before, before))
                 if after > before:
                     out.append(_record(rank, step, "p2p-wait", before, after))

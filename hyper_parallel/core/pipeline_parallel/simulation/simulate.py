@@ -25,11 +25,14 @@ split evenly over its chunks, so schedules with different chunk counts compare i
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter, sub
 from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel, legacy_costs
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType, Schedule
+from hyper_parallel.core.pipeline_parallel.simulation.fast_summary import fast_peaks
 from hyper_parallel.core.pipeline_parallel.simulation.fast_timed import run_timed_fast
 from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import lazy_records, records_or_source
 from hyper_parallel.core.pipeline_parallel.simulation.timed_model import run_timed
@@ -94,6 +97,7 @@ def simulate(
     *,
     model: str = "eager",
     wait_at_post: bool = False,
+    timelines: bool = True,
 ) -> SimulationResult:
     """Simulate a compute-only or lowered schedule; ScheduleError if it cannot finish.
 
@@ -105,17 +109,31 @@ def simulate(
     machine file, ``machine.py``) also charges the runtime's own work per lowered step, and puts
     the first stage's I time into its W (that stage has no input gradient to compute), even when
     every runtime figure is 0; without a ``runtime`` object the prediction is the one of old.
+
+    ``timelines=False`` asks for the numbers only (makespan, bubbles, busy times, peaks; what the
+    tuner reads): the ``timeline`` lists may then be left empty and ``records`` with them.
     """
     table = _cost_model(costs, comm_cost, len(stage_to_rank))
-    lowered = any(s is not None and s.meta_type.is_comm for steps in schedule.values() for s in steps)
     runtime = table.runtime  # present, even all 0: simulate as the runtime runs (monotonic from 0)
     outcome = None
     if runtime is None:  # the same run on compiled lists (fast_timed.py); None: the exact model must run
-        outcome = run_timed_fast(schedule, stage_to_rank, table.step_time, _link_time(table), lowered=lowered,
-                                 model=model, wait_at_post=wait_at_post)
+        collecting = gc.isenabled()
+        gc.disable()  # millions of tuples and floats without cycles: the collector would walk them again and again
+        try:
+            outcome = run_timed_fast(schedule, stage_to_rank, table.step_time, _link_time(table), lowered=None,
+                                     model=model, wait_at_post=wait_at_post, timelines=timelines)  # None: a
+            # list with send/recv or BATCH steps is a lowered one, as below
+            if outcome is not None and outcome.finished:
+                compiled = getattr(outcome, "compiled", None)
+                peaks = None if compiled is None else fast_peaks(schedule, compiled, table)
+                return _summarize(schedule, outcome.compute, outcome.finish, records_or_source(outcome), table,
+                                  peaks, getattr(outcome, "busy", None))
+        finally:
+            if collecting:
+                gc.enable()
     if outcome is None:
         step_time = table.step_time if runtime is None else _as_the_runtime_runs(table)
-        outcome = run_timed(schedule, stage_to_rank, step_time, table.message_time, lowered=lowered,
+        outcome = run_timed(schedule, stage_to_rank, step_time, table.message_time, lowered=_has_communication(schedule),
                             model=model, wait_at_post=wait_at_post, runtime=runtime)
     if not outcome.finished:
         lines = []
@@ -129,6 +147,21 @@ def simulate(
         raise ScheduleError(f"simulation cannot finish: ranks {stuck} wait forever\n" + "\n".join(lines),
                             schedule, marks)
     return _summarize(schedule, outcome.compute, outcome.finish, records_or_source(outcome), table)
+
+
+_COMM_TYPES = frozenset(t for t in MetaStepType if t.is_comm)
+_TYPE_OF = attrgetter("meta_type")
+_START, _END = itemgetter(0), itemgetter(1)
+
+
+def _has_communication(schedule: Schedule) -> bool:
+    """Whether any step is a send/recv or BATCH (a lowered list), without a Python loop per step."""
+    return any(any(map(_COMM_TYPES.__contains__, map(_TYPE_OF, filter(None, steps)))) for steps in schedule.values())
+
+
+def _busy(timeline: list[tuple[float, float, MetaStep]]) -> float:
+    """``sum(end - start)`` over the steps, in their order (the same additions, made in C)."""
+    return sum(map(sub, map(_END, timeline), map(_START, timeline)))
 
 
 def _link_time(table: CostModel) -> Any:
@@ -160,14 +193,19 @@ def _position_of(steps: list[MetaStep | None], index: int) -> int:
 
 
 def _summarize(schedule: Schedule, timeline: dict, finish: dict[int, float], records: Any, costs: CostModel,
+               peaks_found: tuple[dict, dict] | None = None, busy: dict[int, float] | None = None,
                ) -> SimulationResult:
     makespan = max(finish.values(), default=0.0)
-    busy = {rank: sum(end - start for start, end, _ in timeline[rank]) for rank in timeline}
+    if busy is None:
+        busy = {rank: _busy(timeline[rank]) for rank in timeline}
     capacity = len(timeline) * makespan
     bubble = 1.0 - sum(busy.values()) / capacity if capacity > 0 else 0.0
     per_rank = {rank: (1.0 - busy[rank] / makespan if makespan > 0 else 0.0) for rank in timeline}
-    peaks = {rank: peak_activations(steps) for rank, steps in schedule.items()}
-    peak_bytes = {rank: peak_activation_bytes(steps, costs) for rank, steps in schedule.items()}
+    if peaks_found is not None:  # the same numbers, counted with numpy (fast_summary.py)
+        peaks, peak_bytes = peaks_found
+    else:
+        peaks = {rank: peak_activations(steps) for rank, steps in schedule.items()}
+        peak_bytes = {rank: peak_activation_bytes(steps, costs) for rank, steps in schedule.items()}
     return SimulationResult(makespan, bubble, peaks, timeline, per_rank, peak_bytes, busy, records)
 
 
@@ -275,7 +313,7 @@ def plan_schedule(
 def simulate_schedule(
     schedule_class: Any, num_ranks: int, num_chunks: int, num_microbatches: int,
     costs: CostModel | None = None, *, lowered: bool = True, transport: str = "plain", prefetch: bool = False,
-    metadata: str = "none", wait_at_post: bool = False,
+    metadata: str = "none", wait_at_post: bool = False, timelines: bool = True,
 ) -> tuple[PlannedSchedule, SimulationResult]:
     """`plan_schedule` then `simulate` (of the lowered lists when ``lowered``) with the
     transport's communication model; default costs: `CostModel.per_rank_share` (F=1, B=2)."""
@@ -286,5 +324,5 @@ def simulate_schedule(
     model = "stream" if transport == "batch" else "eager"
     steps = plan.lowered if plan.lowered is not None else plan.compute
     result = simulate(steps, plan.stage_to_rank, costs.for_stages(len(plan.stage_to_rank)), model=model,
-                      wait_at_post=wait_at_post)
+                      wait_at_post=wait_at_post, timelines=timelines)
     return plan, result

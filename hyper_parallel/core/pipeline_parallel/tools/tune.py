@@ -96,7 +96,7 @@ def evaluate(
         stage_costs = scaled.for_stages(len(placement), allow_even_split=True)
         like_runtime = RUNTIME_LOWERING if lowered and costs.runtime is not None else {}
         plan, result = simulate_schedule(schedule_class, num_ranks, num_chunks, num_microbatches, stage_costs,
-                                         lowered=lowered, transport=transport, **like_runtime)
+                                         lowered=lowered, transport=transport, timelines=False, **like_runtime)
     except (ValueError, ScheduleError) as exc:
         cand.note = "not runnable: " + str(exc).splitlines()[0]
         return cand
@@ -152,7 +152,8 @@ def search_candidate(
         if lowered:
             like_runtime = RUNTIME_LOWERING if costs.runtime is not None else {}
             steps = lower(order, stage_to_rank, transport, **like_runtime)
-        result = simulate(steps, stage_to_rank, stage_costs, model="stream" if transport == "batch" else "eager")
+        result = simulate(steps, stage_to_rank, stage_costs, model="stream" if transport == "batch" else "eager",
+                          timelines=False)
     except (ValueError, ScheduleError) as exc:
         cand.note = "not runnable: " + str(exc).splitlines()[0]
         return cand

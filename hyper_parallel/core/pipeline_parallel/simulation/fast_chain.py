@@ -1,0 +1,369 @@
+"""The timed model of ``timed_model.py`` as chains of *nodes*, one per rank (and one per rank's
+stream): the same floats as the general fast run (``fast_timed.py``), with fewer steps visited.
+
+A rank's clock only moves at compute steps and at the communication steps that wait for their
+receives (metadata, or ``wait_at_post``); every duration and message time is >= 0, so the clock
+never goes back. These are the nodes of the rank's chain. A communication step that does not wait
+is issued at the clock, which is the end of the last node before it (0.0 before the first), and
+its rank does not stop there, so it needs no visit. Each node ends at ``max(clock, inputs) +
+duration`` (0.0 for a waiting communication step: ``x + 0.0`` is ``x``), the inputs being
+``time(cell) + add``:
+
+- eager model (and metadata in both models): a receive completes at ``max(posted, s + t)``, ``s``
+  the sender's clock when it issued the send, ``t`` the message time; a step that consumes it
+  starts at ``max(clock, max(posted, s + t))`` = ``max(clock, s + t)`` since the receive was
+  posted earlier on the same rank (posted <= clock): the input is the node before the send,
+  plus ``t``;
+- stream model: each rank's data groups form a second chain: ``A(g) = max(issued(g),
+  C(previous group))`` is when group ``g`` becomes active, an operation completes at ``max(A(g),
+  A(other group)) + t`` = ``max(A(g) + t, A(other) + t)`` (rounding is monotone), and the group
+  completes at ``C(g)``, the largest of those: ``max(A(g) + T(g), A(other) + t, ...)`` with
+  ``T(g)`` its largest message time. A step that consumes a receive takes ``A(g) + t`` and
+  ``A(other) + t`` as inputs.
+
+Every time is so computed by the same additions and maxima of the same operands as in the
+exact model. The times of the operations (for the trace records and finish times) follow from
+the node times with numpy. `run_chain` returns None where that reasoning does not hold (a
+negative or non-finite duration or message time, a receive posted after the step that consumes
+it, more than six inputs to one node) or where the run does not finish: the caller then uses
+the general fast run, which says so in its own way.
+"""
+
+from __future__ import annotations
+
+from operator import sub
+
+import numpy as np
+
+from hyper_parallel.core.pipeline_parallel.simulation.fast_job import CompiledJob
+from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import RecordSource
+from hyper_parallel.core.pipeline_parallel.simulation.timed_model import TimedOutcome
+
+_SLOTS = 6
+
+
+def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: bool = False,
+              timelines: bool = True) -> TimedOutcome | None:
+    """The timed run of a compiled job (see the module docstring), or None. Without ``timelines``
+    the outcome's ``compute`` lists stay empty and ``busy`` (rank -> the sum of its steps' lengths,
+    in order, as `simulate` adds them) says what they would have said; records cannot be made."""
+    plan = _Plan.make(job, wait_at_post, stream)
+    if plan is None:
+        return None
+    count = len(job.steps)
+    nodes = len(plan.durations)
+    time: list[float | None] = [None] * (nodes + 1)
+    time[nodes] = 0.0  # the clock before a chain's first node
+    steps = job.steps
+    programs = plan.programs  # chain c: rank c's steps for c < ranks, then the ranks' streams
+    chains = len(programs)
+    timelines_of: list[list] = [[] for _ in job.ranks]
+    timelines_of += [[]] * (chains - len(job.ranks))  # a stream chain's: never appended to (no compute steps)
+    clock_of = [0.0] * chains
+    cursor = [0] * chains
+    waiting: list[list[int] | None] = [None] * (nodes + 1)  # node -> the chains waiting for it
+    ready_chains = list(range(chains - 1, -1, -1))
+    dep_a, dep_b, dep_c, dep_d, dep_e, dep_f = plan.deps
+    add_a, add_b, add_c, add_d, add_e, add_f = plan.adds
+    durations = plan.durations
+    starts: list[float] = [0.0] * count  # when each compute step started (without timelines)
+    while ready_chains:
+        chain = ready_chains.pop()
+        program = programs[chain]
+        timeline = timelines_of[chain]
+        index, clock = cursor[chain], clock_of[chain]
+        total = len(program)
+        wait = -1
+        while index < total:
+            k = program[index]
+            ready = clock
+            cell = dep_a[k]
+            if cell >= 0:
+                at = time[cell]
+                if at is None:
+                    wait = cell
+                    break
+                at += add_a[k]
+                if at > ready:
+                    ready = at
+                cell = dep_b[k]
+                if cell >= 0:
+                    at = time[cell]
+                    if at is None:
+                        wait = cell
+                        break
+                    at += add_b[k]
+                    if at > ready:
+                        ready = at
+                    cell = dep_c[k]
+                    if cell >= 0:
+                        at = time[cell]
+                        if at is None:
+                            wait = cell
+                            break
+                        at += add_c[k]
+                        if at > ready:
+                            ready = at
+                        cell = dep_d[k]
+                        if cell >= 0:
+                            at = time[cell]
+                            if at is None:
+                                wait = cell
+                                break
+                            at += add_d[k]
+                            if at > ready:
+                                ready = at
+                            cell = dep_e[k]
+                            if cell >= 0:
+                                at = time[cell]
+                                if at is None:
+                                    wait = cell
+                                    break
+                                at += add_e[k]
+                                if at > ready:
+                                    ready = at
+                                cell = dep_f[k]
+                                if cell >= 0:
+                                    at = time[cell]
+                                    if at is None:
+                                        wait = cell
+                                        break
+                                    at += add_f[k]
+                                    if at > ready:
+                                        ready = at
+            end = ready + durations[k]
+            time[k] = end
+            woken = waiting[k]
+            if woken is not None:
+                ready_chains.extend(woken)
+            if k < count:
+                if timelines:
+                    timeline.append((ready, end, steps[k]))
+                else:
+                    starts[k] = ready
+            clock = end
+            index += 1
+        cursor[chain], clock_of[chain] = index, clock
+        if wait >= 0:
+            waiters = waiting[wait]
+            if waiters is None:
+                waiting[wait] = [chain]
+            else:
+                waiters.append(chain)
+    if any(cursor[chain] < len(programs[chain]) for chain in range(chains)):
+        return None  # stuck: the general run (and then the exact model) will say where
+    compute = dict(zip(job.ranks, timelines_of))
+    times = np.asarray(time, dtype=np.float64)
+    finish = plan.finish(times, dict(zip(job.ranks, clock_of)))
+    if not timelines:
+        outcome = TimedOutcome(compute, [], finish, {})
+        outcome.busy = plan.busy(times, starts)
+        return outcome
+    source = RecordSource(lambda: plan.records(num_stages, times, compute))
+    return TimedOutcome(compute, source, finish, {})  # type: ignore[arg-type]
+
+
+def _rank_bounds(job: CompiledJob, ranks_of: np.ndarray) -> np.ndarray:
+    """Where each rank's part begins (and the last one ends) in an array ordered rank by rank."""
+    return np.searchsorted(ranks_of, job.ranks + [job.ranks[-1] + 1] if job.ranks else [])
+
+
+class _Plan:
+    """The nodes, their inputs and the chains of a compiled job."""
+
+    def __init__(self, job: CompiledJob, stream: bool) -> None:
+        self.job = job
+        self.stream = stream
+
+    @classmethod
+    def make(cls, job: CompiledJob, wait_at_post: bool, stream: bool) -> _Plan | None:
+        plan = cls(job, stream)
+        return plan if plan._build(wait_at_post) else None
+
+    def _build(self, wait_at_post: bool) -> bool:
+        job, a, stream = self.job, self.job.arrays, self.stream
+        count = len(job.steps)
+        durations = np.asarray(job.durations, dtype=np.float64)
+        op_time = a["op_time"]
+        for values in (durations, op_time, a["adds"]):
+            if not (np.all(np.isfinite(values)) and np.all(values >= 0)):
+                return False
+        op_send, op_group, group_meta = a["op_send"], a["op_group"], a["group_meta"]
+        groups = len(job.group_steps)
+        receives = np.bincount(op_group[~op_send], minlength=groups)
+        waits = (group_meta | wait_at_post) & (receives > 0)
+        waiting_groups = np.flatnonzero(waits)
+        data_groups = np.flatnonzero(~group_meta) if stream else np.zeros(0, dtype=np.int64)
+        n_wait, n_data = waiting_groups.size, data_groups.size
+        nodes = count + n_wait + 2 * n_data
+        zero = nodes  # the cell of time 0.0
+        group_node = np.full(groups, -1, dtype=np.int64)
+        group_node[waiting_groups] = count + np.arange(n_wait)
+        active = np.full(groups, -1, dtype=np.int64)  # A(g), and C(g) = A(g) + n_data
+        active[data_groups] = count + n_wait + np.arange(n_data)
+
+        entries, entry_rank = a["entries"], a["entry_rank"]
+        node_of_entry = entries.copy()
+        comm = entries < 0
+        node_of_entry[comm] = group_node[-1 - entries[comm]]
+        size = entries.size
+        last = np.maximum.accumulate(np.where(node_of_entry >= 0, np.arange(size), -1)) if size else entries
+        before = np.concatenate([[-1], last[:-1]]) if size else entries
+        first_of_rank = np.searchsorted(entry_rank, entry_rank)  # entries are rank by rank
+        prev_node = np.where(before >= first_of_rank, node_of_entry[np.maximum(before, 0)], zero)
+        issued = prev_node[a["group_entry"]]  # per group: the node whose end is its issue time
+        data_op = ~group_meta[op_group] if stream else np.zeros(op_group.size, dtype=bool)
+
+        if groups == 0:  # compute steps only: their inputs are the compiled ones, one per slot
+            dep = np.full((_SLOTS, nodes), -1, dtype=np.int64)
+            adds = np.zeros((_SLOTS, nodes), dtype=np.float64)
+            for slot in range(a["deps"].shape[0]):
+                cells = a["deps"][slot]
+                dep[slot] = np.where(cells >= 0, cells - job.num_ops, -1)
+                adds[slot] = a["adds"][slot]
+        else:
+            built = self._inputs(count, nodes, waits, group_node, active, issued, data_op,
+                                 data_groups, n_data, groups)
+            if built is None:
+                return False
+            dep, adds = built
+
+        bounds = _rank_bounds(job, entry_rank)
+        programs: list[list[int]] = []
+        for k in range(len(job.ranks)):
+            mine = node_of_entry[bounds[k]:bounds[k + 1]]
+            programs.append(mine[mine >= 0].tolist())
+        if n_data:
+            data_bounds = _rank_bounds(job, a["group_rank"][data_groups])
+            pairs = np.empty(2 * n_data, dtype=np.int64)
+            pairs[0::2], pairs[1::2] = active[data_groups], active[data_groups] + n_data
+            for k in range(len(job.ranks)):
+                if data_bounds[k + 1] > data_bounds[k]:
+                    programs.append(pairs[2 * data_bounds[k]:2 * data_bounds[k + 1]].tolist())
+        self.programs = programs
+        used = [bool(np.any(dep[j] >= 0)) for j in range(_SLOTS)]  # a slot no node uses: read as -1 all along
+        self.deps = [dep[j].tolist() if used[j] else [-1] * nodes for j in range(_SLOTS)]
+        self.adds = [adds[j].tolist() if used[j] else [0.0] * nodes for j in range(_SLOTS)]
+        self.durations = np.concatenate([durations, np.zeros(n_wait + 2 * n_data)]).tolist()
+        self.prev_node, self.node_of_entry, self.issued, self.active = prev_node, node_of_entry, issued, active
+        self.data_op, self.n_data, self.data_groups = data_op, n_data, data_groups
+        return True
+
+    def _inputs(self, count: int, nodes: int, waits: np.ndarray, group_node: np.ndarray,
+                active: np.ndarray, issued: np.ndarray, data_op: np.ndarray, data_groups: np.ndarray, n_data: int,
+                groups: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every node's inputs ``(cell, add)`` by slot (see the module docstring); None: not exact here."""
+        job, a = self.job, self.job.arrays
+        op_time, op_send, op_group, op_other = a["op_time"], a["op_send"], a["op_group"], a["op_other"]
+        inputs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (node, cell, add)
+
+        def receive_inputs(node: np.ndarray, recv: np.ndarray) -> None:
+            """What a receive gives the node that waits for it (see the module docstring)."""
+            data = data_op[recv]
+            eager_node, eager_recv = node[~data], recv[~data]
+            inputs.append((eager_node, issued[op_group[op_other[eager_recv]]], op_time[eager_recv]))
+            if np.any(data):
+                node, recv = node[data], recv[data]
+                inputs.append((node, active[op_group[recv]], op_time[recv]))
+                inputs.append((node, active[op_group[op_other[recv]]], op_time[recv]))
+
+        number = np.arange(count, dtype=np.int64)
+        base = job.num_ops
+        compute_entry = a["compute_entry"]
+        for slot in range(a["deps"].shape[0]):
+            cells, got = a["deps"][slot], a["received"][slot]
+            local = (cells >= 0) & ~got
+            inputs.append((number[local], cells[local] - base, a["adds"][slot][local]))
+            if np.any(got):
+                recv = cells[got]
+                if np.any(a["group_entry"][op_group[recv]] > compute_entry[got]):
+                    return None  # posted after the step that needs it: the exact model waits forever
+                receive_inputs(number[got], recv)
+        waiting_recvs = np.flatnonzero(~op_send & waits[op_group])
+        receive_inputs(group_node[op_group[waiting_recvs]], waiting_recvs)
+        if n_data:
+            # A(g): issued, after the previous group (the chain's clock); C(g): A(g) + T(g), A(other) + t
+            inputs.append((active[data_groups], issued[data_groups], np.zeros(n_data)))
+            start = a["group_start"]
+            largest = np.zeros(groups)
+            has_ops = start[1:] > start[:-1]
+            if op_time.size:
+                largest[has_ops] = np.maximum.reduceat(op_time, start[:-1][has_ops])
+            inputs.append((active[data_groups] + n_data, active[data_groups], largest[data_groups]))
+            data_ops = np.flatnonzero(data_op)
+            inputs.append((active[op_group[data_ops]] + n_data, active[op_group[op_other[data_ops]]],
+                           op_time[data_ops]))
+
+        node = np.concatenate([i[0] for i in inputs])
+        order = np.argsort(node, kind="stable")
+        node = node[order]
+        cell = np.concatenate([i[1] for i in inputs])[order]
+        add = np.concatenate([i[2] for i in inputs])[order]
+        slot = np.arange(node.size) - np.searchsorted(node, node)
+        if np.any(slot >= _SLOTS):
+            return None
+        dep = np.full((_SLOTS, nodes), -1, dtype=np.int64)
+        adds = np.zeros((_SLOTS, nodes), dtype=np.float64)
+        dep[slot, node] = cell
+        adds[slot, node] = add
+        return dep, adds
+
+    # ------------------------------------------------------------------ after the run
+    def _op_times(self, times: np.ndarray) -> np.ndarray:
+        """The completion time of every operation, as the general run sets it."""
+        a = self.job.arrays
+        op_group, op_other, op_time = a["op_group"], a["op_other"], a["op_time"]
+        issued = times[self.issued][op_group]
+        ops = np.where(a["op_send"], issued, np.maximum(issued, issued[op_other] + op_time))
+        if self.n_data:
+            at = times[self.active[op_group]]
+            data = self.data_op
+            ops[data] = np.maximum(at, at[op_other])[data] + op_time[data]
+        return ops
+
+    def busy(self, times: np.ndarray, starts: list[float]) -> dict:
+        """Per rank: ``sum(end - start)`` of its compute steps in program order (as `simulate` sums
+        a timeline: the same floats, subtracted and added in the same order)."""
+        start = np.asarray(starts, dtype=np.float64)
+        count = start.size
+        busy = {}
+        for k, rank in enumerate(self.job.ranks):
+            program = np.asarray(self.programs[k], dtype=np.int64)
+            mine = program[program < count]
+            busy[rank] = sum(map(sub, times[mine].tolist(), start[mine].tolist()))
+        return busy
+
+    def finish(self, times: np.ndarray, clock_of: dict) -> dict:
+        """When each rank is done: its clock, or the last of its data operations to complete."""
+        job, a = self.job, self.job.arrays
+        data = np.flatnonzero(~a["group_meta"][a["op_group"]])
+        ends = self._op_times(times)[data]
+        bounds = _rank_bounds(job, a["op_rank"][data])
+        finish = {}
+        for k, rank in enumerate(job.ranks):
+            mine = ends[bounds[k]:bounds[k + 1]]
+            last = clock_of[rank]
+            if mine.size:
+                latest = float(mine.max())
+                last = latest if latest > last else last
+            finish[rank] = last + 0.0
+        return finish
+
+    def records(self, num_stages: int, times: np.ndarray, compute: dict) -> list:
+        """The trace records of the general fast run, from its state rebuilt out of the node times."""
+        from hyper_parallel.core.pipeline_parallel.simulation.fast_timed import _FastRun
+
+        job, a = self.job, self.job.arrays
+        run = _FastRun(job, num_stages, self.stream)
+        run.compute = compute
+        issued = times[self.issued]
+        run.issued = issued.tolist()
+        active = issued.copy()
+        active[self.data_groups] = times[self.active[self.data_groups]]
+        run.active = active.tolist()
+        run.time = self._op_times(times).tolist() + times[:len(job.steps)].tolist()
+        node = self.node_of_entry
+        after = np.where(node >= 0, times[np.maximum(node, 0)], times[self.prev_node])
+        bounds = _rank_bounds(job, a["entry_rank"])
+        run.marks = {rank: after[bounds[k]:bounds[k + 1]].tolist() for k, rank in enumerate(job.ranks)}
+        return run._records()
