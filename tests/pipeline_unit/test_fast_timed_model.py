@@ -352,3 +352,46 @@ def test_lowered_read_off_the_lists(case):
         assert found is None
         return
     assert found.compute == given.compute and found.finish == given.finish and found.records == given.records
+
+
+# ---------------------------------------------------------------------- review findings
+
+
+def _small_job():
+    return pp.Schedule1F1B.generate(2, 1, 2), dict(pp.Schedule1F1B.stage_placement(2, 1))
+
+
+@pytest.mark.parametrize("lowered", [False, True])
+def test_a_result_pickles_before_its_records_are_read(lowered):
+    """Review: the records' recipe held a local function, so a fresh result did not pickle."""
+    import pickle
+
+    steps, placement = _small_job()
+    if lowered:
+        steps = lower(steps, placement, "plain")
+    result = simulate(steps, placement)
+    again = pickle.loads(pickle.dumps(result))
+    assert again.records == result.records and again.makespan == result.makespan
+
+
+@pytest.mark.parametrize("edit", [lambda tl: tl.clear(), lambda tl: tl.sort(key=lambda e: -e[1]),
+                                  lambda tl: tl.__setitem__(0, (tl[0][0] + 10, tl[0][1] + 10, tl[0][2]))])
+def test_changing_a_timeline_before_reading_the_records_changes_no_record(edit, monkeypatch):
+    """Review: the records were built later from the very lists handed to the caller."""
+    steps, placement = _small_job()
+    fast = simulate(steps, placement)
+    edit(fast.timeline[1])
+    _exact_only(monkeypatch)
+    assert fast.records == simulate(steps, placement).records
+
+
+def test_rank_ids_an_int_array_would_change_give_the_exact_result(monkeypatch):
+    """Review: ranks 0.2, 0.4, 0.6 all became 0 in the compiled arrays (makespan 0)."""
+    steps, placement = pp.Schedule1F1B.generate(3, 1, 3), dict(pp.Schedule1F1B.stage_placement(3, 1))
+    ids = {0: 0.2, 1: 0.4, 2: 0.6}
+    odd_steps = {ids[r]: s for r, s in steps.items()}
+    odd_placement = {s: ids[r] for s, r in placement.items()}
+    fast = simulate(odd_steps, odd_placement)
+    _exact_only(monkeypatch)
+    _same_result(fast, simulate(odd_steps, odd_placement))
+    assert fast.makespan > 0

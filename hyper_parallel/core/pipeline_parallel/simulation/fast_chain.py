@@ -159,7 +159,8 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
         outcome = TimedOutcome(compute, [], finish, {})
         outcome.busy = plan.busy(times, starts)
         return outcome
-    source = RecordSource(lambda: plan.records(num_stages, times, compute))
+    kept = {rank: list(steps) for rank, steps in compute.items()}  # the caller may change the lists it gets
+    source = RecordSource(lambda: plan.records(num_stages, times, kept))
     return TimedOutcome(compute, source, finish, {})  # type: ignore[arg-type]
 
 
@@ -355,7 +356,7 @@ class _Plan:
 
         job, a = self.job, self.job.arrays
         run = _FastRun(job, num_stages, self.stream)
-        run.compute = compute
+        run.compute = run.kept = compute
         issued = times[self.issued]
         run.issued = issued.tolist()
         active = issued.copy()

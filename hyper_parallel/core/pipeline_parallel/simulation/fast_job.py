@@ -188,6 +188,8 @@ class _Compiler:
     # ------------------------------------------------------------------ the lists, as arrays
     def _run(self) -> CompiledJob:
         job = CompiledJob(sorted(self.schedule), {})
+        if not all(isinstance(r, (int, np.integer)) for r in (*job.ranks, *(o for o in self.owner if o is not None))):
+            raise Unsupported  # rank ids the int arrays would change (0.2 and 0.4 both become 0)
         flat: list[MetaStep] = []
         bounds = [0]
         for rank in job.ranks:

@@ -101,6 +101,7 @@ class _FastRun:
             if None in ends:
                 return None
             finish[rank] = max([self.clock[rank], *ends]) + 0.0  # type: ignore[list-item]
+        self.kept = {rank: list(steps) for rank, steps in self.compute.items()}  # the caller may change its lists
         return TimedOutcome(self.compute, RecordSource(self._records), finish, {})  # type: ignore[arg-type]
 
     def _advance(self, rank: int) -> None:
@@ -262,7 +263,7 @@ class _FastRun:
     def _thread_records(self, rank: int) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         job = self.job
-        timeline = iter(self.compute[rank])
+        timeline = iter(self.kept[rank])
         before = 0.0
         for k, after in zip(job.program[rank], self.marks[rank]):
             if k >= 0:

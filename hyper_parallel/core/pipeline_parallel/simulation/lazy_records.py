@@ -41,7 +41,12 @@ def lazy_records(cls: _C) -> _C:
     def put(self: Any, value: list[dict[str, Any]] | RecordSource) -> None:
         self.__dict__[_SLOT] = value
 
+    def getstate(self: Any) -> dict[str, Any]:
+        get(self)  # a pickle holds the records themselves, not how to build them
+        return dict(self.__dict__)
+
     cls.records = property(get, put, doc="The trace records (built on first use from a RecordSource).")  # type: ignore[attr-defined]
+    cls.__getstate__ = getstate  # type: ignore[attr-defined]
     return cls
 
 
