@@ -35,6 +35,7 @@ from operator import sub
 
 import numpy as np
 
+from hyper_parallel.core.pipeline_parallel.simulation.fast_general import FastRun
 from hyper_parallel.core.pipeline_parallel.simulation.fast_job import CompiledJob
 from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import RecordSource
 from hyper_parallel.core.pipeline_parallel.simulation.timed_model import TimedOutcome
@@ -352,10 +353,8 @@ class _Plan:
 
     def records(self, num_stages: int, times: np.ndarray, compute: dict) -> list:
         """The trace records of the general fast run, from its state rebuilt out of the node times."""
-        from hyper_parallel.core.pipeline_parallel.simulation.fast_timed import _FastRun
-
         job, a = self.job, self.job.arrays
-        run = _FastRun(job, num_stages, self.stream)
+        run = FastRun(job, num_stages, self.stream)
         run.compute = run.kept = compute
         issued = times[self.issued]
         run.issued = issued.tolist()
