@@ -223,10 +223,11 @@ def lines(results: dict[str, Any], smoke: bool) -> list[str]:
     """The markdown tables of ``measure``'s results."""
     out = ["# Planning at scale: one rank's schedule construction, ours vs torch.distributed.pipelining", "",
            f"Written by `benchmarks/planning_scale.py`{' --smoke (figures mean nothing)' if smoke else ''}; CPU "
-           f"seconds of one build (a middle rank's) in a fresh process, best of {results['rounds']}; ours with the "
-           "defaults (prefetch, metadata for the first micro-batch), `plain` checked for gloo's eager engine, `batch` "
-           "for the stream engine of NCCL/HCCL; `planned`: the rank's own list, or every rank's (MPipe's pass). "
-           "Target: ours <= max(torch, 1 s).", "",
+           f"seconds of one build (a middle rank's; MPipe: stage 0's rank, which plans the most) in a fresh process, "
+           f"best of {results['rounds']}; ours with the defaults (prefetch, metadata for the first micro-batch), "
+           "`plain` checked for gloo's eager engine, `batch` for the stream engine of NCCL/HCCL; `planned`: the rank's "
+           "own list, or every rank's. Torch has no MPipe: its column there is torch's build of the body schedule "
+           "(1F1B, or interleaved 1F1B for v > 1). Target: ours <= max(torch, 1 s).", "",
            "| schedule | p | v | m | torch (s) | ours plain (s) | ours batch (s) | plain peak MiB | batch peak MiB "
            "| planned | target met |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
