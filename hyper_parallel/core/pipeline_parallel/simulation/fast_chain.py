@@ -76,6 +76,8 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
         total = len(program)
         wait = -1
         while index < total:
+            # the six input slots are written out one inside the other, not looped over: this loop
+            # runs once per node (millions at p = 64, m = 1024) and a loop over slots costs ~2x here
             k = program[index]
             ready = clock
             cell = dep_a[k]
