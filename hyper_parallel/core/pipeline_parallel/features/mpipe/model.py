@@ -61,8 +61,7 @@ class MPipeTimedModel:
     """One timed run of lowered lists with MPipe steps (see the module docstring)."""
 
     def __init__(self, lowered: Lowered, stage_to_rank: dict[int, int], plan: MPipePlan, costs: CostModel,
-                 preprocess: StageCost | None = None, load_ms: float = 0.0,
-                 given: frozenset[int] = frozenset()) -> None:
+                 preprocess: StageCost | None = None, load_ms: float = 0.0) -> None:
         self.steps = {rank: [s for s in items if s is not None] for rank, items in lowered.items()}
         self.ranks = sorted(self.steps)
         self.stage_to_rank = stage_to_rank
@@ -74,8 +73,7 @@ class MPipeTimedModel:
         self.zero = stage_to_rank[0]
         self.cursor = dict.fromkeys(self.ranks, 0)
         self.clock = dict.fromkeys(self.ranks, 0.0)
-        self.made: dict[tuple[int, DataKey], float] = {(self.zero, (FEATURE, 0, j)): 0.0 for j in given}
-        self.reached: dict[tuple[int, MetaStep], tuple[float, float]] = {}  # (arrival, start) of each step
+        self.made: dict[tuple[int, DataKey], float] = {}
         self.sent: dict[DataKey, float] = {}
         self.posted: dict[tuple[int, DataKey], float] = {}
         self.waits: dict[int, str] = {}
@@ -149,7 +147,6 @@ class MPipeTimedModel:
                     return False
                 ready = max(ready, at)
             end = ready + self._cost(rank, step)
-            self.reached[(rank, step)] = (now, ready)
             if ready > now:
                 self.records.append(_record(rank, step, "p2p-wait", now, ready))
             self.timeline[rank].append((ready, end, step))
@@ -175,7 +172,6 @@ class MPipeTimedModel:
                 else:
                     self.posted[(rank, key)] = now
             self.records.append(_record(rank, step, "p2p-issue", now, now))
-            self.reached[(rank, step)] = (now, self.clock[rank])
         self.cursor[rank] += 1
         return True
 
