@@ -15,8 +15,11 @@ import json
 import math
 import os
 import shutil
+from operator import attrgetter, itemgetter, sub
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType, Schedule
 from hyper_parallel.core.pipeline_parallel.simulation.simulate import SimulationResult, simulate
@@ -26,6 +29,10 @@ MODES = ("auto", "full", "wrap", "compact")
 _MAX_WRAPPED_BLOCKS = 3
 _LETTERS = {MetaStepType.FWD: "F", MetaStepType.BWD: "B", MetaStepType.BWD_INPUT: "I", MetaStepType.BWD_WEIGHT: "W",
             MetaStepType.PRE_FWD: "P", MetaStepType.PRE_BWD: "Q"}
+_CODES = "FBIWPQO?"  # a compact row's letters, by number (``_CODE_OF``)
+_CODE_OF = {kind: _CODES.index("O" if kind.is_overlap else _LETTERS.get(kind, "?")) for kind in MetaStepType}
+_START, _END, _STEP = itemgetter(0), itemgetter(1), itemgetter(2)
+_TYPE_OF = attrgetter("meta_type")
 
 
 def infer_stage_to_rank(schedule: Schedule) -> dict[int, int]:
@@ -76,8 +83,10 @@ def ascii_chart(
         placement = stage_to_rank or infer_stage_to_rank(schedule_or_result)
         result = simulate(schedule_or_result, placement, costs, comm_cost)
     width = width or terminal_width()
-    durations = [end - start for steps in result.timeline.values() for start, end, _ in steps]
-    unit = unit or min((d for d in durations if d > 0), default=1.0)
+    positive = (0.0).__lt__  # d > 0, over every step's duration at C speed (a large job has millions)
+    durations = (d for steps in result.timeline.values() for d in filter(positive, map(sub, map(_END, steps),
+                                                                                       map(_START, steps))))
+    unit = unit or min(durations, default=1.0)
     head = f"rank {max(result.timeline, default=0)}"
     indent = len(head) + 2
     footer = _footer(result)
@@ -98,8 +107,8 @@ def ascii_chart(
     exact = slot <= unit + 1e-12
     ncells, rows = _compact_rows(result, slot, exact)
     how = "lower case continues a step" if exact else "each column shows what filled most of it"
-    pre = any(s.meta_type in (MetaStepType.PRE_FWD, MetaStepType.PRE_BWD)
-              for steps in result.timeline.values() for _, _, s in steps)
+    kinds = set().union(*(map(_TYPE_OF, map(_STEP, steps)) for steps in result.timeline.values()))
+    pre = bool(kinds & {MetaStepType.PRE_FWD, MetaStepType.PRE_BWD})
     legend = (f"one column = {slot:g} ms; F forward, B backward, I input backward, W weight backward, "
               f"O overlapped pair{', P/Q MPipe preprocess forward/backward' if pre else ''}; {how}; . idle")
     per_block = max(1, width - indent)
@@ -200,21 +209,50 @@ def _compact_rows(result: SimulationResult, slot: float, exact: bool) -> tuple[i
                     row[k] = letter if k == first else letter.lower()
                 free = last
         else:
-            filled: list[dict[str, float]] = [{} for _ in range(ncells)]
-            for start, end, step in result.timeline[rank]:
-                letter = _letter(step)
-                for k in range(int(start / slot), min(ncells, math.ceil(end / slot - 1e-9))):
-                    overlap = min(end, (k + 1) * slot) - max(start, k * slot)
-                    if overlap > 0:
-                        filled[k][letter] = filled[k].get(letter, 0.0) + overlap
-            row = []
-            for k, amounts in enumerate(filled):
-                busy = sum(amounts.values())
-                idle = min(slot, result.makespan - k * slot) - busy
-                top = max(amounts, key=amounts.get) if amounts else "."
-                row.append(top if amounts and amounts[top] >= idle else ".")
+            row = _majority_row(result.timeline[rank], slot, ncells, result.makespan)
         rows[rank] = "".join(row)
     return ncells, rows
+
+
+def _majority_row(timeline: list[tuple[float, float, MetaStep]], slot: float, ncells: int,
+                  makespan: float) -> list[str]:
+    """A compact row where steps may be shorter than a slot: each slot shows the letter whose
+    steps filled most of it, idle when idle time filled more.
+
+    The overlaps of every (step, slot) pair are made with numpy and summed per (slot, letter) by
+    ``bincount``, which adds them in the order given, step by step as a loop over the timeline
+    would: the sums, hence the ties, are the same floats (a row of a large job has a million
+    steps; a Python loop per step cost seconds there)."""
+    if not timeline:
+        return ["."] * ncells
+    count = len(timeline)
+    starts = np.fromiter(map(_START, timeline), np.float64, count)
+    ends = np.fromiter(map(_END, timeline), np.float64, count)
+    codes = np.fromiter(map(_CODE_OF.__getitem__, map(_TYPE_OF, map(_STEP, timeline))), np.int64, count)
+    first = (starts / slot).astype(np.int64)
+    last = np.minimum(ncells, np.ceil(ends / slot - 1e-9)).astype(np.int64)
+    spans = np.maximum(last - first, 0)
+    step = np.repeat(np.arange(count), spans)  # one entry per (step, slot it touches), in timeline order
+    offsets = np.arange(len(step)) - np.repeat(np.cumsum(spans) - spans, spans)
+    cell = np.repeat(first, spans) + offsets
+    overlap = np.minimum(ends[step], (cell + 1) * slot) - np.maximum(starts[step], cell * slot)
+    keep = overlap > 0
+    letters = len(_CODES)
+    bins = cell[keep] * letters + codes[step[keep]]
+    sums = np.bincount(bins, weights=overlap[keep], minlength=ncells * letters)
+    present, first_seen = np.unique(bins, return_index=True)
+    by_cell: dict[int, list[tuple[int, int]]] = {}
+    for where, seen in zip(present.tolist(), first_seen.tolist(), strict=True):
+        by_cell.setdefault(where // letters, []).append((seen, where))
+    row = ["."] * ncells
+    for k, entries in by_cell.items():
+        entries.sort()  # the letters of the slot in the order the timeline first fills them
+        amounts = [float(sums[where]) for _, where in entries]
+        idle = min(slot, makespan - k * slot) - sum(amounts)
+        top = max(range(len(amounts)), key=amounts.__getitem__)  # the first of equal largest
+        if amounts[top] >= idle:
+            row[k] = _CODES[entries[top][1] % letters]
+    return row
 
 
 def _letter(step: MetaStep) -> str:
