@@ -200,3 +200,40 @@ def test_no_deadlock_when_a_huge_cost_swamps_the_others():
     stages = (StageCost(F=1.0, B=1e17),) + (StageCost(F=1.0, B=2.0),) * (p * v - 1)
     costs = CostModel(stages=stages, p2p_latency_ms=0.0)
     _job(p, v, m, plan, False, True, costs, StageCost(F=1.0, B=2.0))
+
+
+@pytest.mark.parametrize("p, v, m, metadata", [(2, 1, 5, "first"), (3, 1, 8, "first"), (4, 2, 9, "none"),
+                                              (3, 3, 7, "all"), (5, 1, 13, "first"), (4, 1, 4, "all")])
+def test_the_timed_run_carries_the_clock_entries_of_stage_zeros_rank(p, v, m, metadata):
+    """The MPipe pass takes ``Flow.run(zero)`` from the timed run where the metadata waits sit at
+    the same places in both (one run of the job instead of two): the entries must be the same."""
+    from hyper_parallel.core.pipeline_parallel.features.mpipe.placement import preprocess_costs, time_job
+    from hyper_parallel.core.pipeline_parallel.lowering.flow import flow_of
+
+    placement = looped_placement(p, v)
+    compute = model.body_schedule(p, v, m)
+    plan = MPipePlan(p, m, "full", True, True, "recompute")
+    rng = random.Random(p * 100 + m)
+    costs, pre = preprocess_costs(plan, placement, _random_costs(rng, p * v), None)
+    flow = flow_of(compute, placement, m, metadata, False)
+    timing = time_job(flow, plan, costs, pre)
+    assert not timing.made_twice
+    natural = flow.run(placement[0])
+    if flow.meta_early == flow.meta_gap:
+        assert timing.follows == natural
+    else:  # stricter waits: entries at least the natural ones
+        assert all(timing.follows[key] >= entry for key, entry in natural.items())
+
+
+def test_a_value_made_twice_is_left_to_the_whole_job_path():
+    """With overflow micro-batches the timed run stands in for ``Flow.run`` of stage 0's rank,
+    which refuses a value made twice; the pass must refuse it too (the whole job reports it)."""
+    p, v, m = 4, 1, 10
+    placement = looped_placement(p, v)
+    compute = {r: list(steps) for r, steps in model.body_schedule(p, v, m).items()}
+    # on a rank without body messages to or from stage 0's rank, so nothing else in stage 0's plan sees it
+    twice = next(s for s in compute[2] if s is not None and s.meta_type is T.FWD and s.micro_index == 2)
+    compute[2].insert(compute[2].index(twice) + 1, twice)  # every value still made, one of them twice
+    plan = MPipePlan(p, m, "full", True, True, "recompute")
+    for rank in range(p):
+        assert plan_mpipe_rank(compute, placement, rank, plan, metadata="first", prefetch=True) is None

@@ -75,13 +75,15 @@ def plan_rank(
 
 
 def plain_lists(flow: Flow, compute: Schedule, ranks: list[int], num_microbatches: int, *, metadata: str,
-                prefetch: bool, forward_only: bool, early_proved: bool = False) -> dict[int, list[MetaStep]] | None:
+                prefetch: bool, forward_only: bool, early_proved: bool = False,
+                runs: dict[int, dict[DataKey, int]] | None = None) -> dict[int, list[MetaStep]] | None:
     """The ``plain`` lists of ``ranks`` (each as ``plan_rank`` makes it) from one flow of the job;
-    ``early_proved``: the caller ran the job with the metadata waits at their earliest places."""
+    ``early_proved``: the caller ran the job with the metadata waits at their earliest places;
+    ``runs``: rank -> what ``flow.run(rank)`` returns, where the caller has it already."""
     stage_to_rank = flow.stage_to_rank
     lists: dict[int, list[MetaStep]] = {}
     for rank in ranks:
-        made = flow.run(rank)
+        made = runs[rank] if runs and rank in runs else flow.run(rank)
         if made is None or not counts_complete(made, len(stage_to_rank), num_microbatches, forward_only):
             return None
         if prefetch and not early_proved and flow.meta_early != flow.meta_gap and flow.run(rank, "early") is None:

@@ -64,6 +64,11 @@ class JobTiming:
     after_zero: dict[int, list[int]]
     need: dict[int, float]
     forward_index: dict[int, int]
+    follows: dict[DataKey, int]
+    """Per value, the last step of stage 0's rank its making follows: with the metadata waits at
+    their natural places too (``flow.meta_early == flow.meta_gap``), ``Flow.run(zero)`` of the same
+    flow, unless a value is made twice (``made_twice``; ``Flow.run`` refuses that)."""
+    made_twice: bool
 
 
 def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCost) -> JobTiming | None:
@@ -108,6 +113,7 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
     after_zero: dict[int, list[int]] = {q: [] for q in flow.items}
     need: dict[int, float] = {}
     forward_index = {j: k for k, j in forward_of.items() if j in inputs}
+    twice = False
     cursor = dict.fromkeys(flow.items, 0)
     clock = {q: (preprocess.F if q == zero or q < nt and plan.owner(q) == q else 0.0) for q in flow.items}
     entry = dict.fromkeys(flow.items, -1)
@@ -172,6 +178,8 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
             if stage0:
                 last = k
             for key in makes[k]:
+                if key in made:
+                    twice = True
                 made[key] = end
                 follows[key] = last
                 woken = waiting.pop(key, None)
@@ -184,7 +192,7 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
         cursor[q], clock[q], entry[q] = k, now, last
     if any(cursor[q] < len(items) for q, items in flow.items.items()):
         return None
-    return JobTiming(reached, start, after_zero, need, forward_index)
+    return JobTiming(reached, start, after_zero, need, forward_index, follows, twice)
 
 
 def _durations(flow: Flow, costs: CostModel) -> dict[int, list[float]]:
@@ -315,10 +323,12 @@ def preprocess_costs(plan: MPipePlan, stage_to_rank: dict[int, int], costs: Cost
 
 
 def overflow_slots(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCost,
-                   body: dict[int, list[MetaStep]]) -> dict[int, int] | None:
+                   body: dict[int, list[MetaStep]], timing: JobTiming | None = None) -> dict[int, int] | None:
     """Overflow micro-batch -> the position in its owner's lowered body list (in ``body``) its
-    preprocess goes before, for the owners in ``body``; None when the job cannot finish."""
-    timing = time_job(flow, plan, costs, preprocess)
+    preprocess goes before, for the owners in ``body``; None when the job cannot finish.
+    ``timing``: `time_job`'s run of these arguments, when the caller made it already."""
+    if timing is None:
+        timing = time_job(flow, plan, costs, preprocess)
     if timing is None:
         return None
     zero = flow.stage_to_rank[0]

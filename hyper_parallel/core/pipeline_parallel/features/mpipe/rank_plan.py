@@ -29,7 +29,7 @@ reports the problem with the usual ``ScheduleError``.
 
 from __future__ import annotations
 
-from hyper_parallel.core.pipeline_parallel.features.mpipe.placement import overflow_slots, preprocess_costs
+from hyper_parallel.core.pipeline_parallel.features.mpipe.placement import overflow_slots, preprocess_costs, time_job
 from hyper_parallel.core.pipeline_parallel.features.mpipe.plan import (
     MPIPE_TYPES,
     MPipePlan,
@@ -66,10 +66,18 @@ def plan_mpipe_rank(compute: Schedule, stage_to_rank: dict[int, int], rank: int,
         partners = {q for pair in talks if zero in pair for q in pair} - {zero}
         needed = {rank} | ({zero} if rank in partners else set())
         costs, preprocess = preprocess_costs(plan, stage_to_rank, costs, preprocess)
-        overflow = bool(overflow_micros(plan_run, zero))
-        # with overflow micro-batches, the timed run below runs the job with the earliest metadata waits
+        timing, runs = None, None
+        if overflow_micros(plan_run, zero):
+            # the timed run places the overflow preprocesses; it runs the job with the earliest metadata
+            # waits (which proves them), and where those are the natural ones its clock entries of stage
+            # 0's rank are what ``Flow.run(zero)`` returns: one run of the job instead of two
+            timing = time_job(flow, plan_run, costs, preprocess)
+            if timing is None:
+                return None  # the job cannot finish with those waits: the whole-job check decides
+            if flow.meta_early == flow.meta_gap and not timing.made_twice:
+                runs = {zero: timing.follows}
         lists = plain_lists(flow, compute, sorted(needed), num_micro, metadata=metadata, prefetch=prefetch,
-                            forward_only=forward_only, early_proved=overflow)
+                            forward_only=forward_only, early_proved=timing is not None, runs=runs)
         if lists is None:
             return None
         if rank == zero:
@@ -83,11 +91,7 @@ def plan_mpipe_rank(compute: Schedule, stage_to_rank: dict[int, int], rank: int,
             # through the MPipe steps put there for it and the forward positions that bound where its
             # receives go, which its empty body channel always meets; the compute list serves for both
             lists[zero] = list(flow.items[zero])
-        slots = None
-        if overflow:
-            slots = overflow_slots(flow, plan_run, costs, preprocess, lists)
-            if slots is None:
-                return None  # the job cannot finish with those waits: the whole-job check decides
+        slots = None if timing is None else overflow_slots(flow, plan_run, costs, preprocess, lists, timing)
         try:
             out = insert_mpipe_steps(lists, stage_to_rank, plan, forward_only, slots, partial=True)
             check_rank_mpipe(out, rank, stage_to_rank, plan, forward_only)
