@@ -205,8 +205,9 @@ def test_no_deadlock_when_a_huge_cost_swamps_the_others():
 @pytest.mark.parametrize("p, v, m, metadata", [(2, 1, 5, "first"), (3, 1, 8, "first"), (4, 2, 9, "none"),
                                               (3, 3, 7, "all"), (5, 1, 13, "first"), (4, 1, 4, "all")])
 def test_the_timed_run_carries_the_clock_entries_of_stage_zeros_rank(p, v, m, metadata):
-    """The MPipe pass takes ``Flow.run(zero)`` from the timed run where the metadata waits sit at
-    the same places in both (one run of the job instead of two): the entries must be the same."""
+    """The MPipe pass takes ``Flow.run`` of stage 0's rank and of its own from the timed run where
+    the metadata waits sit at the same places in both (one run of the job, not three): the entries
+    must be the same."""
     from hyper_parallel.core.pipeline_parallel.features.mpipe.placement import preprocess_costs, time_job
     from hyper_parallel.core.pipeline_parallel.lowering.flow import flow_of
 
@@ -216,13 +217,16 @@ def test_the_timed_run_carries_the_clock_entries_of_stage_zeros_rank(p, v, m, me
     rng = random.Random(p * 100 + m)
     costs, pre = preprocess_costs(plan, placement, _random_costs(rng, p * v), None)
     flow = flow_of(compute, placement, m, metadata, False)
-    timing = time_job(flow, plan, costs, pre)
-    assert not timing.made_twice
-    natural = flow.run(placement[0])
-    if flow.meta_early == flow.meta_gap:
-        assert timing.follows == natural
-    else:  # stricter waits: entries at least the natural ones
-        assert all(timing.follows[key] >= entry for key, entry in natural.items())
+    for rank in range(p):
+        timing = time_job(flow, plan, costs, pre, rank)
+        assert not timing.made_twice
+        assert timing.follows.keys() == {0, rank}
+        for tracked, entries in timing.follows.items():
+            natural = flow.run(tracked)
+            if flow.meta_early == flow.meta_gap:
+                assert entries == natural
+            else:  # stricter waits: entries at least the natural ones
+                assert all(entries[key] >= entry for key, entry in natural.items())
 
 
 def test_a_value_made_twice_is_left_to_the_whole_job_path():

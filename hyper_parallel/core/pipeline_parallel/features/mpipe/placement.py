@@ -64,16 +64,20 @@ class JobTiming:
     after_zero: dict[int, list[int]]
     need: dict[int, float]
     forward_index: dict[int, int]
-    follows: dict[DataKey, int]
-    """Per value, the last step of stage 0's rank its making follows: with the metadata waits at
-    their natural places too (``flow.meta_early == flow.meta_gap``), ``Flow.run(zero)`` of the same
-    flow, unless a value is made twice (``made_twice``; ``Flow.run`` refuses that)."""
+    follows: dict[int, dict[DataKey, int]]
+    """Rank -> per value, the last step of that rank its making follows, for stage 0's rank and the
+    rank `time_job` was asked to follow: with the metadata waits at their natural places too
+    (``flow.meta_early == flow.meta_gap``), what ``Flow.run(rank)`` returns for the same flow,
+    unless a value is made twice (``made_twice``; ``Flow.run`` refuses that)."""
     made_twice: bool
 
 
-def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCost) -> JobTiming | None:
-    """The timed run described in the module docstring; None when the job cannot finish."""
+def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCost,
+             rank: int | None = None) -> JobTiming | None:
+    """The timed run described in the module docstring; None when the job cannot finish. It also
+    carries the clock entries of ``rank`` (``JobTiming.follows``)."""
     zero = flow.stage_to_rank[0]
+    mine = zero if rank is None else rank
     costs = costs.for_stages(len(flow.stage_to_rank))
     latency = costs.p2p_latency_ms
     nt = plan.num_owners
@@ -107,6 +111,7 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
         delay[key] = found
     made: dict[DataKey, float] = {}
     follows: dict[DataKey, int] = {}  # value -> the last step of stage 0's rank its making follows
+    follows_mine: dict[DataKey, int] = {}  # the same for rank ``mine``
     waiting: dict[DataKey, list[int]] = {}
     reached: dict[int, list[float]] = {q: [] for q in flow.items}
     start: dict[int, list[float]] = {q: [] for q in flow.items}
@@ -117,17 +122,19 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
     cursor = dict.fromkeys(flow.items, 0)
     clock = {q: (preprocess.F if q == zero or q < nt and plan.owner(q) == q else 0.0) for q in flow.items}
     entry = dict.fromkeys(flow.items, -1)
+    entry_mine = dict.fromkeys(flow.items, -1)
     ready = list(flow.items)
     while ready:
         q = ready.pop()
         k, needs, makes, times, now, last = cursor[q], flow.needs[q], flow.makes[q], durations[q], clock[q], entry[q]
+        last_mine, is_mine = entry_mine[q], q == mine
         arrive, begin_at, after = reached[q], start[q], after_zero[q]
         extra = waits.get(q, {})
         stage0 = q == zero
         blocked = None
         end_k = len(needs)
         while k < end_k:
-            now_before, last_before = now, last  # kept if step k must wait: it runs again from here
+            now_before, last_before, mine_before = now, last, last_mine  # kept if step k must wait: it runs again
             more = extra.get(k)
             if more:
                 for key in more:  # a metadata receive waiting in the gap before step k
@@ -140,8 +147,10 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
                         now = at
                     if follows[key] > last:
                         last = follows[key]
+                    if follows_mine[key] > last_mine:
+                        last_mine = follows_mine[key]
                 if blocked is not None:
-                    now, last = now_before, last_before
+                    now, last, last_mine = now_before, last_before, mine_before
                     break
             preprocess_may_follow = last  # a preprocess put before step k runs after these waits
             begin = now
@@ -157,8 +166,10 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
                     begin = at
                 if follows[key] > last:
                     last = follows[key]
+                if follows_mine[key] > last_mine:
+                    last_mine = follows_mine[key]
             if blocked is not None:
-                now, last = now_before, last_before
+                now, last, last_mine = now_before, last_before, mine_before
                 break
             end_extra = 0.0
             if stage0:
@@ -177,11 +188,14 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
             end = begin + times[k] + end_extra
             if stage0:
                 last = k
+            if is_mine:
+                last_mine = k
             for key in makes[k]:
                 if key in made:
                     twice = True
                 made[key] = end
                 follows[key] = last
+                follows_mine[key] = last_mine
                 woken = waiting.pop(key, None)
                 if woken:
                     ready += woken
@@ -189,10 +203,10 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
             k += 1
         if blocked is not None:
             waiting.setdefault(blocked, []).append(q)
-        cursor[q], clock[q], entry[q] = k, now, last
+        cursor[q], clock[q], entry[q], entry_mine[q] = k, now, last, last_mine
     if any(cursor[q] < len(items) for q, items in flow.items.items()):
         return None
-    return JobTiming(reached, start, after_zero, need, forward_index, follows, twice)
+    return JobTiming(reached, start, after_zero, need, forward_index, {zero: follows, mine: follows_mine}, twice)
 
 
 def _durations(flow: Flow, costs: CostModel) -> dict[int, list[float]]:

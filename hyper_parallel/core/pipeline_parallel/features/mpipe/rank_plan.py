@@ -70,12 +70,12 @@ def plan_mpipe_rank(compute: Schedule, stage_to_rank: dict[int, int], rank: int,
         if overflow_micros(plan_run, zero):
             # the timed run places the overflow preprocesses; it runs the job with the earliest metadata
             # waits (which proves them), and where those are the natural ones its clock entries of stage
-            # 0's rank are what ``Flow.run(zero)`` returns: one run of the job instead of two
-            timing = time_job(flow, plan_run, costs, preprocess)
+            # 0's rank and of this rank are what ``Flow.run`` returns for them: one run of the job, not three
+            timing = time_job(flow, plan_run, costs, preprocess, rank)
             if timing is None:
                 return None  # the job cannot finish with those waits: the whole-job check decides
             if flow.meta_early == flow.meta_gap and not timing.made_twice:
-                runs = {zero: timing.follows}
+                runs = timing.follows
         lists = plain_lists(flow, compute, sorted(needed), num_micro, metadata=metadata, prefetch=prefetch,
                             forward_only=forward_only, early_proved=timing is not None, runs=runs)
         if lists is None:
