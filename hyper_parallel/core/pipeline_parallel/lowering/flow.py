@@ -17,6 +17,7 @@ from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, Me
 
 _T = MetaStepType
 _BACKWARD = (_T.BWD, _T.BWD_INPUT)
+_FEW = 8  # up to this many metadata receives on a channel, each one's place is a minimum of its own
 
 
 @dataclass
@@ -192,6 +193,12 @@ def _place_metadata(flow: Flow, metadata: str) -> bool:
         end = len(flow.items[receiver])
         for table, shift in ((flow.meta_gap, 0), (flow.meta_early, 1)):
             wanted = gaps if shift == 0 else [g if place in carried else max(0, g - 1) for place, g in enumerate(gaps)]
+            # a metadata receive goes no later than any later receive of its channel (FIFO): the minimum of
+            # the places wanted from its own on, the end of the list if none is earlier
+            if len(carried) <= _FEW:  # metadata for the first value of each stage only: a few minima
+                for place, key in carried.items():
+                    table[key] = min(end, min(wanted[place:]))
+                continue
             after = list(accumulate(reversed(wanted + [end]), min))[::-1]  # data receives: suffix minima (FIFO)
             meta = end
             for place in sorted(carried, reverse=True):  # metadata receives: suffix minima too

@@ -109,16 +109,15 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
         if found is None:
             found = per_stage[kind_stage] = costs.message_time(key)
         delay[key] = found
-    made: dict[DataKey, float] = {}
-    follows: dict[DataKey, int] = {}  # value -> the last step of stage 0's rank its making follows
-    follows_mine: dict[DataKey, int] = {}  # the same for rank ``mine``
+    # value -> (when a step waiting for it may start, when a metadata receive of it completes, the last
+    # step of stage 0's rank its making follows, the same for rank ``mine``): one look-up per input
+    made: dict[DataKey, tuple[float, float, int, int]] = {}
     waiting: dict[DataKey, list[int]] = {}
     reached: dict[int, list[float]] = {q: [] for q in flow.items}
     start: dict[int, list[float]] = {q: [] for q in flow.items}
     after_zero: dict[int, list[int]] = {q: [] for q in flow.items}
     need: dict[int, float] = {}
     forward_index = {j: k for k, j in forward_of.items() if j in inputs}
-    twice = False
     cursor = dict.fromkeys(flow.items, 0)
     clock = {q: (preprocess.F if q == zero or q < nt and plan.owner(q) == q else 0.0) for q in flow.items}
     entry = dict.fromkeys(flow.items, -1)
@@ -138,36 +137,34 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
             more = extra.get(k)
             if more:
                 for key in more:  # a metadata receive waiting in the gap before step k
-                    at = made.get(key)
-                    if at is None:
+                    got = made.get(key)
+                    if got is None:
                         blocked = key
                         break
-                    at += delay.get(key, latency)
+                    _, at, entry_zero, entry_own = got
                     if at > now:
                         now = at
-                    if follows[key] > last:
-                        last = follows[key]
-                    if follows_mine[key] > last_mine:
-                        last_mine = follows_mine[key]
+                    if entry_zero > last:
+                        last = entry_zero
+                    if entry_own > last_mine:
+                        last_mine = entry_own
                 if blocked is not None:
                     now, last, last_mine = now_before, last_before, mine_before
                     break
             preprocess_may_follow = last  # a preprocess put before step k runs after these waits
             begin = now
             for key in needs[k]:
-                at = made.get(key)
-                if at is None:
+                got = made.get(key)
+                if got is None:
                     blocked = key
                     break
-                d = delay.get(key)
-                if d is not None:
-                    at += d
+                at, _, entry_zero, entry_own = got
                 if at > begin:
                     begin = at
-                if follows[key] > last:
-                    last = follows[key]
-                if follows_mine[key] > last_mine:
-                    last_mine = follows_mine[key]
+                if entry_zero > last:
+                    last = entry_zero
+                if entry_own > last_mine:
+                    last_mine = entry_own
             if blocked is not None:
                 now, last, last_mine = now_before, last_before, mine_before
                 break
@@ -191,11 +188,8 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
             if is_mine:
                 last_mine = k
             for key in makes[k]:
-                if key in made:
-                    twice = True
-                made[key] = end
-                follows[key] = last
-                follows_mine[key] = last_mine
+                d = delay.get(key)
+                made[key] = (end if d is None else end + d, end + (latency if d is None else d), last, last_mine)
                 woken = waiting.pop(key, None)
                 if woken:
                     ready += woken
@@ -206,7 +200,10 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
         cursor[q], clock[q], entry[q], entry_mine[q] = k, now, last, last_mine
     if any(cursor[q] < len(items) for q, items in flow.items.items()):
         return None
-    return JobTiming(reached, start, after_zero, need, forward_index, {zero: follows, mine: follows_mine}, twice)
+    twice = len(made) != sum(len(keys) for lists in flow.makes.values() for keys in lists)
+    follows = {zero: {key: got[2] for key, got in made.items()}}
+    follows[mine] = {key: got[3] for key, got in made.items()}
+    return JobTiming(reached, start, after_zero, need, forward_index, follows, twice)
 
 
 def _durations(flow: Flow, costs: CostModel) -> dict[int, list[float]]:
