@@ -383,7 +383,7 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, resolve_schedule
-    from hyper_parallel.core.pipeline_parallel.tools.tune import format_table, tune
+    from hyper_parallel.core.pipeline_parallel.tools.tune import default_jobs, format_table, tune
 
     costs = _load_costs(parser, args.costs)
     machine = _load_machine(parser, args.machine)
@@ -404,7 +404,7 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     result = tune(costs, args.memory_limit, args.global_batch, args.ranks, schedules=schedules,
                   chunk_options=args.chunks, micro_batches=micro, state_factor=args.state_factor,
                   lowered=args.lowered or machine is not None, transport=_machine_transport(args, machine),
-                  search=args.search)
+                  search=args.search, jobs=args.jobs or default_jobs())
     if args.save_order:
         if result.best is None or result.best.order is None:
             print("hyper-parallel tune: --save-order: the choice is a library schedule, not a searched order "
@@ -669,6 +669,8 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
                    help="also build custom step orders within the memory limit (search-* candidates)")
     p.add_argument("--save-order", type=output_path, default=None, help="write the chosen searched order here as a schedule CSV")
     p.add_argument("--top", type=_int_at_least(1), default=20, help="table rows to print")
+    p.add_argument("--jobs", type=_int_at_least(1), default=None,
+                   help="worker processes simulating candidates side by side (default: the usable CPUs, at most 8)")
     p.add_argument("--json", action="store_true", help="print the choice and every candidate as JSON")
     p.set_defaults(handler=_tune, sub_parser=p)
 

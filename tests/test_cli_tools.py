@@ -81,6 +81,8 @@ def test_simulate_with_costs_file_and_batch_transport(capsys, tmp_path):
     (["tune", "--costs", "c.json", "--memory-limit", "1GB", "--global-batch", "8", "-p", "2", "--state-factor", "nan"],
      "argument --state-factor: must be a finite number >= 0, got 'nan'"),
     (["profile", "s.py", "--max-spread", "inf"], "argument --max-spread: must be a finite number > 0, got 'inf'"),
+    (["tune", "--costs", "c.json", "--memory-limit", "1GB", "--global-batch", "8", "-p", "2", "--jobs", "0"],
+     "argument --jobs:"),
 ])
 def test_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as info:
@@ -144,6 +146,10 @@ def test_tune_prints_a_table_and_json(capsys, tmp_path):
                                 "-p", "4", "--json"])
     data = json.loads(out)
     assert code == 0 and data["best"]["fits"] and len(data["candidates"]) > 10
+    for jobs in ("1", "2"):  # in one process and in two workers: the same table
+        code, alone, _ = run(capsys, ["tune", "--costs", str(costs), "--memory-limit", "1GiB", "--global-batch", "16",
+                                      "-p", "4", "--json", "--jobs", jobs])
+        assert code == 0 and json.loads(alone) == data
     code, out, _ = run(capsys, ["tune", "--costs", str(costs), "--memory-limit", "10", "--global-batch", "16",
                                 "-p", "4"])
     assert code == 1 and "nothing fits" in out

@@ -83,3 +83,32 @@ def test_unrunnable_candidates_are_listed_with_their_reason():
     assert result.best.schedule == "1f1b"
     with pytest.raises(ValueError, match="3 micro-batches do not divide the global batch 8"):
         tune(COSTS, 1e9, 8, 2, micro_batches=[3])
+
+
+@pytest.mark.parametrize("search", [False, True])
+def test_worker_processes_give_the_same_result(search):
+    """``jobs`` simulates candidates in worker processes: the same candidates, numbers, order, choice
+    and searched orders as in one process."""
+    one = tune(COSTS, 900.0, 12, 4, chunk_options=(1, 2), search=search)
+    two = tune(COSTS, 900.0, 12, 4, chunk_options=(1, 2), search=search, jobs=2)
+    assert two.to_json() == one.to_json()
+    assert [c.order for c in two.candidates] == [c.order for c in one.candidates]
+    assert len(two.candidates) > 10 and (two.best is None) == (one.best is None)
+
+
+def test_a_schedule_a_worker_cannot_import_runs_here():
+    """A schedule class defined in a function cannot be sent to a worker process: tune simulates
+    every candidate in this process then, with the same result."""
+    class Local(SCHEDULES["1f1b"]):
+        pass
+
+    schedules = {"local": Local, "gpipe": SCHEDULES["gpipe"]}
+    alone = tune(COSTS, 1e9, 8, 2, schedules=schedules)
+    assert tune(COSTS, 1e9, 8, 2, schedules=schedules, jobs=3).to_json() == alone.to_json()
+    assert {c.schedule for c in alone.candidates} == {"local", "gpipe"}
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5, True, "2"])
+def test_jobs_must_be_a_positive_int(jobs):
+    with pytest.raises(ValueError, match="jobs must be an int >= 1"):
+        tune(COSTS, 1e9, 8, 2, schedules=SCHEDULES, jobs=jobs)

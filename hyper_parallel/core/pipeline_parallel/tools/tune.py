@@ -21,6 +21,10 @@ the first micro-batch) and the runtime's own cost per step is charged (``runtime
 Candidates a schedule cannot run (it rejects the counts, or the simulation finds a deadlock)
 are listed with the reason.
 
+With ``jobs`` above 1 the candidates are simulated in that many worker processes (each plans and
+simulates whole candidates; the result is the same as one process's, in the same order). Each
+worker holds one candidate's lists at a time: at p = 64, m = 1024 several hundred MiB.
+
 With ``search`` the tuner also builds custom orders (`order_search.greedy_order`) for the looped
 placement of every chunk count and for the V placement, with and without the dx/dW split, each
 within the memory the rank has left after its weights; they appear as ``search-looped``,
@@ -31,7 +35,10 @@ schedules, when ``lowered``), and the chosen one's order is in
 
 from __future__ import annotations
 
+import os
+import pickle
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -175,9 +182,11 @@ def tune(
     lowered: bool = False,
     transport: str = "plain",
     search: bool = False,
+    jobs: int = 1,
 ) -> TuneResult:
     """Try every candidate and pick the best (see the module docstring). ``micro_batches``
-    restricts the micro-batch counts (each must divide ``global_batch``)."""
+    restricts the micro-batch counts (each must divide ``global_batch``); ``jobs``: worker
+    processes simulating candidates side by side (1: all in this process)."""
     for name, value, low in (("global_batch", global_batch, 1), ("num_ranks", num_ranks, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -187,26 +196,60 @@ def tune(
     for m in counts:
         if global_batch % m:
             raise ValueError(f"{m} micro-batches do not divide the global batch {global_batch}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
     schedules = available_schedules() if schedules is None else schedules
-    candidates = []
+    tasks: list[tuple[Any, ...]] = []
     for name, cls in schedules.items():
         low, high = chunk_range(cls)
         for v in sorted({v for v in chunk_options if low <= v <= high}):
             for m in counts:
-                candidates.append(evaluate(cls, name, costs, num_ranks, v, m, global_batch, memory_limit,
-                                           state_factor, lowered, transport))
+                tasks.append((evaluate, cls, name, costs, num_ranks, v, m, global_batch, memory_limit, state_factor,
+                              lowered, transport))
     if search:
         shapes = [("looped", v) for v in sorted(set(chunk_options)) if v >= 1] + [("v", 2)]
         for placement, v in shapes:
             for split in (False, True):
                 for m in counts:
-                    candidates.append(search_candidate(costs, num_ranks, v, placement, split, m, global_batch,
-                                                       memory_limit, state_factor, lowered, transport))
+                    tasks.append((search_candidate, costs, num_ranks, v, placement, split, m, global_batch,
+                                  memory_limit, state_factor, lowered, transport))
+    candidates = _run_all(tasks, jobs)
     fitting = [c for c in candidates if c.fits]
     best = min(fitting, key=Candidate.sort_key) if fitting else None
     candidates.sort(key=lambda c: (c.makespan_ms is None, not c.fits, c.makespan_ms or 0.0, c.schedule,
                                    c.num_chunks, c.num_microbatches))
     return TuneResult(best, candidates)
+
+
+def _run_task(task: tuple[Any, ...]) -> Candidate:
+    function, *arguments = task
+    return function(*arguments)
+
+
+def _run_all(tasks: list[tuple[Any, ...]], jobs: int) -> list[Candidate]:
+    """Every task's candidate, in order; in ``jobs`` worker processes when there is more than one
+    task, here otherwise (and where the tasks cannot be sent to a worker: a schedule class defined
+    where a worker cannot import it)."""
+    jobs = min(jobs, len(tasks))
+    if jobs > 1:
+        try:
+            pickle.dumps(tasks)
+        except (pickle.PicklingError, AttributeError, TypeError):
+            jobs = 1
+    if jobs <= 1:
+        return [_run_task(task) for task in tasks]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(_run_task, tasks))
+
+
+def default_jobs(limit: int = 8) -> int:
+    """Worker processes for the CLI: the CPUs this process may use, at most ``limit`` (each worker
+    holds one candidate's lists)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 1
+    return max(1, min(limit, usable))
 
 
 def format_table(result: TuneResult, limit: int | None = None) -> str:
