@@ -505,3 +505,19 @@ def test_visualize_of_a_dryrun_trace_shows_the_measured_activation_memory(capsys
     assert code == 0
     assert {r["rank"]: r["peak_activation_bytes"] for r in json.loads(out)["run"]["ranks"]} == held
     assert all(v > 0 for v in held.values())
+
+
+def test_planning_commands_pause_the_collector_only_while_they_run(capsys, monkeypatch):
+    """simulate and tune run without the cyclic collector (millions of objects live until they end)
+    and give it back to an in-process caller as they found it."""
+    import gc
+
+    import hyper_parallel.cli_tools as tools
+
+    seen = []
+    real = tools._simulate
+    monkeypatch.setattr(tools, "_simulate", lambda parser, args: seen.append(gc.isenabled()) or real(parser, args))
+    assert gc.isenabled()
+    code, out, _ = run(capsys, ["simulate", "--schedule", "1f1b", "-p", "2", "-m", "4"])
+    assert code == 0 and "makespan" in out
+    assert seen == [False] and gc.isenabled()
