@@ -25,7 +25,6 @@ split evenly over its chunks, so schedules with different chunk counts compare i
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter, sub
 from typing import Any
@@ -36,6 +35,7 @@ from hyper_parallel.core.pipeline_parallel.simulation.fast_summary import fast_p
 from hyper_parallel.core.pipeline_parallel.simulation.fast_timed import run_timed_fast
 from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import lazy_records, records_or_source
 from hyper_parallel.core.pipeline_parallel.simulation.timed_model import run_timed
+from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc
 from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError
 
 _T = MetaStepType
@@ -117,9 +117,7 @@ def simulate(
     runtime = table.runtime  # present, even all 0: simulate as the runtime runs (monotonic from 0)
     outcome = None
     if runtime is None:  # the same run on compiled lists (fast_timed.py); None: the exact model must run
-        collecting = gc.isenabled()
-        gc.disable()  # millions of tuples and floats without cycles: the collector would walk them again and again
-        try:
+        with paused_gc():  # millions of tuples and floats without cycles: the collector would walk them again and again
             outcome = run_timed_fast(schedule, stage_to_rank, table.step_time, _link_time(table), lowered=None,
                                      model=model, wait_at_post=wait_at_post, timelines=timelines)  # None: a
             # list with send/recv or BATCH steps is a lowered one, as below
@@ -128,9 +126,6 @@ def simulate(
                 peaks = None if compiled is None else fast_peaks(schedule, compiled, table)
                 return _summarize(schedule, outcome.compute, outcome.finish, records_or_source(outcome), table,
                                   peaks, getattr(outcome, "busy", None))
-        finally:
-            if collecting:
-                gc.enable()
     if outcome is None:
         step_time = table.step_time if runtime is None else _as_the_runtime_runs(table)
         outcome = run_timed(schedule, stage_to_rank, step_time, table.message_time, lowered=_has_communication(schedule),
@@ -317,12 +312,13 @@ def simulate_schedule(
 ) -> tuple[PlannedSchedule, SimulationResult]:
     """`plan_schedule` then `simulate` (of the lowered lists when ``lowered``) with the
     transport's communication model; default costs: `CostModel.per_rank_share` (F=1, B=2)."""
-    plan = plan_schedule(schedule_class, num_ranks, num_chunks, num_microbatches, lowered=lowered,
-                         transport=transport, prefetch=prefetch, metadata=metadata)
-    if costs is None:
-        costs = CostModel.per_rank_share(num_ranks, plan.num_chunks)
-    model = "stream" if transport == "batch" else "eager"
-    steps = plan.lowered if plan.lowered is not None else plan.compute
-    result = simulate(steps, plan.stage_to_rank, costs.for_stages(len(plan.stage_to_rank)), model=model,
-                      wait_at_post=wait_at_post, timelines=timelines)
+    with paused_gc():  # the lists and the run's arrays live until the end: nothing for the collector
+        plan = plan_schedule(schedule_class, num_ranks, num_chunks, num_microbatches, lowered=lowered,
+                             transport=transport, prefetch=prefetch, metadata=metadata)
+        if costs is None:
+            costs = CostModel.per_rank_share(num_ranks, plan.num_chunks)
+        model = "stream" if transport == "batch" else "eager"
+        steps = plan.lowered if plan.lowered is not None else plan.compute
+        result = simulate(steps, plan.stage_to_rank, costs.for_stages(len(plan.stage_to_rank)), model=model,
+                          wait_at_post=wait_at_post, timelines=timelines)
     return plan, result
