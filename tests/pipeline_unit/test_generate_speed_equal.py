@@ -12,12 +12,15 @@ accept and refuse the same arguments with the same errors.
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import random
 
 import _generate_before as old
 import pytest
 
 from hyper_parallel.core.pipeline_parallel.ir import MetaStep, MetaStepType
+from hyper_parallel.core.pipeline_parallel.ir.steps import unchecked_step
 from hyper_parallel.core.pipeline_parallel.schedule import (
     Schedule1F1B,
     ScheduleGPipe,
@@ -271,3 +274,18 @@ def test_metastep_sub_steps_from_an_iterator_equal_before():
                                           ((1, T.FWD), {"stage": 0}), ((1, T.FWD, 0), {"micro_index": 2})])
 def test_metastep_call_errors_equal_before(args, kwargs):
     assert _made(MetaStep, args, kwargs) == _made(old.OldMetaStep, args, kwargs)
+
+
+def test_unchecked_step_is_the_checked_step():
+    for args in [(3, T.FWD, 5), (None, T.FSDP_UNSHARD, 0), (0, T.BWD_WEIGHT, None)]:
+        fast, checked = unchecked_step(*args), MetaStep(*args)
+        assert _layout(fast) == _layout(checked)
+        assert fast == checked and hash(fast) == hash(checked) and str(fast) == str(checked)
+        assert pickle.dumps(fast) == pickle.dumps(checked)
+        assert pickle.loads(pickle.dumps(fast)) == checked
+        assert dataclasses.replace(fast, micro_index=9) == dataclasses.replace(checked, micro_index=9)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            fast.micro_index = 1  # type: ignore[misc]
+    pair = unchecked_step(None, T.OVERLAP_B_F, None, (F0, F0))
+    assert _layout(pair) == _layout(MetaStep(None, T.OVERLAP_B_F, None, [F0, F0]))
+    assert str(pair) == "OVERLAP_B_F[F.s0.m0+F.s0.m0]"

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType
 from hyper_parallel.core.pipeline_parallel.ir.placement import check_count
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType, unchecked_step
 
 __all__ = ["check_count", "fwd", "bwd", "one_f_one_b"]
 
 
+_FWD, _BWD = MetaStepType.FWD, MetaStepType.BWD
+
+
 def fwd(stage: int, micro: int) -> MetaStep:
-    """Forward of ``micro`` on ``stage``."""
-    return MetaStep(micro, MetaStepType.FWD, stage)
+    """Forward of ``micro`` on ``stage`` (plain ints the generator made: not checked again)."""
+    return unchecked_step(micro, _FWD, stage)
 
 
 def bwd(stage: int, micro: int) -> MetaStep:
-    """Full backward of ``micro`` on ``stage``."""
-    return MetaStep(micro, MetaStepType.BWD, stage)
+    """Full backward of ``micro`` on ``stage`` (plain ints the generator made: not checked again)."""
+    return unchecked_step(micro, _BWD, stage)
 
 
 def one_f_one_b(forwards: list[MetaStep], backwards: list[MetaStep], warmup: int) -> list[MetaStep]:

@@ -19,19 +19,26 @@ from __future__ import annotations
 
 from collections import deque
 
-from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, consumes, produces
+from hyper_parallel.core.pipeline_parallel.ir.steps import (
+    DataKey,
+    MetaStep,
+    MetaStepType,
+    consumes,
+    produces,
+    unchecked_step,
+)
 
 _T = MetaStepType
 
 
 def input_backward(stage: int, micro: int) -> MetaStep:
-    """Input-gradient backward (``I``) of ``micro`` on ``stage``."""
-    return MetaStep(micro, _T.BWD_INPUT, stage)
+    """Input-gradient backward (``I``) of ``micro`` on ``stage`` (plain ints: not checked again)."""
+    return unchecked_step(micro, _T.BWD_INPUT, stage)
 
 
 def weight_backward(stage: int, micro: int) -> MetaStep:
-    """Weight-gradient backward (``W``) of ``micro`` on ``stage``."""
-    return MetaStep(micro, _T.BWD_WEIGHT, stage)
+    """Weight-gradient backward (``W``) of ``micro`` on ``stage`` (plain ints: not checked again)."""
+    return unchecked_step(micro, _T.BWD_WEIGHT, stage)
 
 
 def place_weights(
