@@ -230,6 +230,9 @@ def test_place_weights_shuffled_and_odd_inputs():
         (lambda: {0: [f, f, MetaStep(0, T.BWD_INPUT, 0)]}, {0: 5}),  # the same object twice
         (lambda: {0: [MetaStep(0, T.BWD_WEIGHT, 0), f]}, {0: 0}),
         (lambda: {0: [MetaStep(0, T.FWD, 1)], "a": [f]}, {0: 1, "a": 1}),  # ranks that cannot be sorted
+        (lambda: {0: [None]}, {0: 1}),  # not a step: never ready, as before
+        (lambda: {0: [f, MetaStep(0, T.BWD_INPUT, 0), None], 1: [MetaStep(0, T.FWD, 1)]}, {0: 1, 1: 1}),
+        (lambda: {0: [f, 3]}, {0: 1}),  # the same AttributeError
     ]:
         new = _outcome(place_weights, make_orders(), 1, limits)
         before = _outcome(old.place_weights, make_orders(), 1, limits)
