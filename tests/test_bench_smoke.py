@@ -61,6 +61,8 @@ def test_smoke_bench_writes_every_section(tmp_path):
      ["| send, receive posted | 0 |", "| wait, data arrived | 1 |", "| ours | ", "| torch | "]),
     ("planning_scale.py", ["--smoke"], ["| Schedule1F1B | 2 | 1 | 4 | ", "| ScheduleDualPipeV | 2 | 2 | 8 | - | ",
                                         "| Schedule1F1B | 2 | 1 | 4 -> 8 | "]),
+    ("generate_speed.py", ["--p", "2", "--m", "4", "--rounds", "1"], ["| gpipe | 1 | ", "| interleaved-zb | 4 | ",
+                                                                      "| dualpipev | 2 | "]),
 ])
 def test_on_demand_benchmarks_write_their_tables(tmp_path, script, args, rows):
     out = tmp_path / "table.md"

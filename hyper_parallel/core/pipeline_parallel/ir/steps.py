@@ -124,6 +124,10 @@ def _check_index(name: str, value: object) -> None:
         raise TypeError(f"MetaStep.{name} must be an int or None, got {value!r}")
 
 
+_new = object.__new__
+_set = object.__setattr__
+
+
 @dataclass(frozen=True, repr=False)
 class MetaStep:
     """One step of a per-rank schedule; hashable, compared by value."""
@@ -133,20 +137,32 @@ class MetaStep:
     stage_index: int | None
     sub_steps: tuple[MetaStep, ...] | None = None
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.meta_type, MetaStepType):
-            raise TypeError(f"MetaStep.meta_type must be a MetaStepType, got {self.meta_type!r}")
-        micro, stage = self.micro_index, self.stage_index
-        if not (micro is None or type(micro) is int):  # the common case without a call: millions are made
-            _check_index("micro_index", micro)
-        if not (stage is None or type(stage) is int):
-            _check_index("stage_index", stage)
-        if self.sub_steps is not None:
-            subs = tuple(self.sub_steps)
-            for sub in subs:
+    # Written out, so `dataclass` keeps it instead of generating one that sets the fields and then
+    # calls a __post_init__ to check them: millions are made. The checks, their order and their
+    # errors are those of the fields in order; the fields are set in order, one by one, as the
+    # generated __init__ sets them (the same instance layout).
+    def __init__(
+        self,
+        micro_index: int | None,
+        meta_type: MetaStepType,
+        stage_index: int | None,
+        sub_steps: tuple[MetaStep, ...] | None = None,
+    ) -> None:
+        if not isinstance(meta_type, MetaStepType):
+            raise TypeError(f"MetaStep.meta_type must be a MetaStepType, got {meta_type!r}")
+        if not (micro_index is None or type(micro_index) is int):  # the common case without a call
+            _check_index("micro_index", micro_index)
+        if not (stage_index is None or type(stage_index) is int):
+            _check_index("stage_index", stage_index)
+        if sub_steps is not None:
+            sub_steps = tuple(sub_steps)
+            for sub in sub_steps:
                 if not isinstance(sub, MetaStep):
                     raise TypeError(f"MetaStep.sub_steps must hold MetaSteps, got {sub!r}")
-            object.__setattr__(self, "sub_steps", subs)
+        _set(self, "micro_index", micro_index)
+        _set(self, "meta_type", meta_type)
+        _set(self, "stage_index", stage_index)
+        _set(self, "sub_steps", sub_steps)
 
     def __str__(self) -> str:
         text = self.meta_type.code
@@ -190,6 +206,24 @@ class MetaStep:
         if self.meta_type is MetaStepType.BATCH_SEND_RECV:
             return self.sub_steps or ()
         return (self,) if self.meta_type.is_comm else ()
+
+
+def unchecked_step(
+    micro_index: int | None,
+    meta_type: MetaStepType,
+    stage_index: int | None,
+    sub_steps: tuple[MetaStep, ...] | None = None,
+) -> MetaStep:
+    """``MetaStep(micro_index, meta_type, stage_index, sub_steps)`` without the argument checks, for
+    a caller that passes a `MetaStepType`, plain ints (or None) it made itself and a tuple of
+    MetaSteps or None: the schedule generators make millions. The fields are set as ``__init__``
+    sets them, so the step is the same in every respect."""
+    step = _new(MetaStep)
+    _set(step, "micro_index", micro_index)
+    _set(step, "meta_type", meta_type)
+    _set(step, "stage_index", stage_index)
+    _set(step, "sub_steps", sub_steps)
+    return step
 
 
 class _ParseError(Exception):

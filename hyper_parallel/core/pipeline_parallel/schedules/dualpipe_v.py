@@ -29,11 +29,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType
-from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd
+from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType, unchecked_step
+from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, gc_paused
 from hyper_parallel.core.pipeline_parallel.schedules._weights import input_backward, weight_backward
 
 
+@gc_paused()
 def generate_dualpipe_v(num_ranks: int, num_microbatches: int) -> dict[int, list[MetaStep | None]]:
     """DualPipeV with stages r and 2p-1-r on rank r; any p >= 1, m >= 2p."""
     p = check_count("num_ranks", num_ranks, 1)
@@ -47,7 +48,7 @@ def generate_dualpipe_v(num_ranks: int, num_microbatches: int) -> dict[int, list
 
 def overlap_b_f(backward: MetaStep, forward: MetaStep) -> MetaStep:
     """One ``OVERLAP_B_F`` step: ``backward`` (B or I) of one micro-batch, ``forward`` of another."""
-    return MetaStep(None, MetaStepType.OVERLAP_B_F, None, (backward, forward))
+    return unchecked_step(None, MetaStepType.OVERLAP_B_F, None, (backward, forward))
 
 
 class _RankSteps:

@@ -24,11 +24,12 @@ When m is not a multiple of p (v > 1) the short last round costs a few units mor
 from __future__ import annotations
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
-from hyper_parallel.core.pipeline_parallel.schedules._common import check_count, fwd
+from hyper_parallel.core.pipeline_parallel.schedules._common import check_count, fwd, gc_paused
 from hyper_parallel.core.pipeline_parallel.schedules._weights import input_backward, place_weights
 from hyper_parallel.core.pipeline_parallel.schedules.interleaved_1f1b import microbatch_rounds
 
 
+@gc_paused()
 def generate_interleaved_zero_bubble(
     num_ranks: int, num_chunks: int, num_microbatches: int
 ) -> dict[int, list[MetaStep | None]]:
@@ -42,11 +43,9 @@ def generate_interleaved_zero_bubble(
         forwards = [fwd(c * p + r, i) for rnd in rounds for c in range(v) for i in rnd]
         inputs = [input_backward(c * p + r, i) for rnd in rounds for c in reversed(range(v)) for i in rnd]
         warmup = min(len(forwards), v * p - r)
-        steps = forwards[:warmup]
-        later = forwards[warmup:]
-        for k, step in enumerate(inputs):
-            steps.append(step)
-            if k < len(later):
-                steps.append(later[k])
-        orders[r] = steps
+        later = len(forwards) - warmup
+        steady: list[MetaStep] = [None] * (2 * later)  # type: ignore[list-item]
+        steady[0::2] = inputs[:later]  # one I, one F while forwards remain
+        steady[1::2] = forwards[warmup:]
+        orders[r] = forwards[:warmup] + steady + inputs[later:]
     return place_weights(orders, v * p, dict.fromkeys(range(p), v * p))
