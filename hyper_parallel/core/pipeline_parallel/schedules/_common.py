@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator
-
 from hyper_parallel.core.pipeline_parallel.ir.placement import check_count
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType, unchecked_step
+from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc  # generators: a million objects, no cycle
 
-__all__ = ["check_count", "fwd", "bwd", "gc_paused", "one_f_one_b"]
+__all__ = ["check_count", "fwd", "bwd", "paused_gc", "one_f_one_b"]
 
 _FWD, _BWD = MetaStepType.FWD, MetaStepType.BWD
 
@@ -37,20 +34,3 @@ def one_f_one_b(forwards: list[MetaStep], backwards: list[MetaStep], warmup: int
     steady[0::2] = forwards[warmup:]
     steady[1::2] = backwards[:paired]
     return forwards[:warmup] + steady + backwards[paired:]
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while a generator runs (as ``with`` or ``@gc_paused()``).
-
-    A generator makes millions of steps, lists and tuples and no reference cycle, so a collection
-    while it runs frees nothing; yet the collector passes over every live object each time enough
-    new ones were made, which took a third of the time of the largest generators. The collector is
-    turned back on afterwards only if it was on before."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()

@@ -30,11 +30,11 @@ from __future__ import annotations
 from collections import deque
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType, unchecked_step
-from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, gc_paused
+from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, paused_gc
 from hyper_parallel.core.pipeline_parallel.schedules._weights import input_backward, weight_backward
 
 
-@gc_paused()
+@paused_gc()
 def generate_dualpipe_v(num_ranks: int, num_microbatches: int) -> dict[int, list[MetaStep | None]]:
     """DualPipeV with stages r and 2p-1-r on rank r; any p >= 1, m >= 2p."""
     p = check_count("num_ranks", num_ranks, 1)

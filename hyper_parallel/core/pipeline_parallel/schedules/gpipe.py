@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
-from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, gc_paused
+from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, paused_gc
 
 
-@gc_paused()
+@paused_gc()
 def generate_gpipe(num_ranks: int, num_microbatches: int) -> dict[int, list[MetaStep | None]]:
     """Stage r on rank r: forwards of micro-batches 0..m-1, then their backwards 0..m-1."""
     p = check_count("num_ranks", num_ranks, 1)

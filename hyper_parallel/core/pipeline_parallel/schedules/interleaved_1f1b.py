@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
 from hyper_parallel.core.pipeline_parallel.ir.placement import looped_placement
-from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, gc_paused, one_f_one_b
+from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, paused_gc, one_f_one_b
 from hyper_parallel.core.pipeline_parallel.schedules.overlap_pairs import fuse_overlap_pairs
 
 
@@ -43,7 +43,7 @@ def interleaved_warmup(num_ranks: int, num_chunks: int, num_microbatches: int, r
     return min(v * m, (v - 1) * p + min(2 * (p - 1 - rank), p + shortest))
 
 
-@gc_paused()
+@paused_gc()
 def generate_interleaved_1f1b(
     num_ranks: int, num_chunks: int, num_microbatches: int, overlap_b_f: bool = False
 ) -> dict[int, list[MetaStep | None]]:

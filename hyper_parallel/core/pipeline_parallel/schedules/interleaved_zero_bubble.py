@@ -24,12 +24,12 @@ When m is not a multiple of p (v > 1) the short last round costs a few units mor
 from __future__ import annotations
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
-from hyper_parallel.core.pipeline_parallel.schedules._common import check_count, fwd, gc_paused
+from hyper_parallel.core.pipeline_parallel.schedules._common import check_count, fwd, paused_gc
 from hyper_parallel.core.pipeline_parallel.schedules._weights import input_backward, place_weights
 from hyper_parallel.core.pipeline_parallel.schedules.interleaved_1f1b import microbatch_rounds
 
 
-@gc_paused()
+@paused_gc()
 def generate_interleaved_zero_bubble(
     num_ranks: int, num_chunks: int, num_microbatches: int
 ) -> dict[int, list[MetaStep | None]]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
-from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, gc_paused
+from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, paused_gc
 
 
-@gc_paused()
+@paused_gc()
 def generate_looped_bfs(
     num_ranks: int, num_chunks: int, num_microbatches: int
 ) -> dict[int, list[MetaStep | None]]:

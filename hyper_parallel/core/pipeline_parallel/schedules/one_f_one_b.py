@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
-from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, gc_paused, one_f_one_b
+from hyper_parallel.core.pipeline_parallel.schedules._common import bwd, check_count, fwd, paused_gc, one_f_one_b
 
 
-@gc_paused()
+@paused_gc()
 def generate_1f1b(num_ranks: int, num_microbatches: int) -> dict[int, list[MetaStep | None]]:
     """Stage r on rank r. Rank r warms up with min(m, p - r - 1) forwards, so it never holds
     more than min(m, p - r) micro-batches forwarded but not yet backwarded."""

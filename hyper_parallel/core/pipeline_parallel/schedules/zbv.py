@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections import deque
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
-from hyper_parallel.core.pipeline_parallel.schedules._common import check_count, fwd, gc_paused
+from hyper_parallel.core.pipeline_parallel.schedules._common import check_count, fwd, paused_gc
 from hyper_parallel.core.pipeline_parallel.schedules._weights import input_backward, place_weights
 
 
-@gc_paused()
+@paused_gc()
 def generate_zbv_zero_bubble(num_ranks: int, num_microbatches: int) -> dict[int, list[MetaStep | None]]:
     """ZB-V with stages r and 2p-1-r on rank r; any p >= 1, m >= 1."""
     p = check_count("num_ranks", num_ranks, 1)
