@@ -209,12 +209,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command in _PLANNING_COMMANDS:
+        from hyper_parallel.core.pipeline_parallel.lowering import plan_cache
         from hyper_parallel.core.pipeline_parallel.lowering.gc_pause import paused_gc
 
         # millions of small objects that all live until the command ends: the cyclic collector would
         # scan them again and again (about 1.2 s of 7 for simulate at p = 64, v = 4, m = 1024)
         with paused_gc():
-            return args.handler(args.sub_parser, args)
+            try:
+                return args.handler(args.sub_parser, args)
+            finally:
+                # the kept schedules would only be torn down at exit, where that costs about ten times
+                # more (1.2 s for tune's last four candidates at p = 64, m = 1024)
+                plan_cache.clear()
     return args.handler(args.sub_parser, args)
 
 

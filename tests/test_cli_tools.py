@@ -509,7 +509,8 @@ def test_visualize_of_a_dryrun_trace_shows_the_measured_activation_memory(capsys
 
 def test_planning_commands_pause_the_collector_only_while_they_run(capsys, monkeypatch):
     """simulate and tune run without the cyclic collector (millions of objects live until they end)
-    and give it back to an in-process caller as they found it."""
+    and give it back to an in-process caller as they found it; they keep no schedule behind them
+    (tearing those down at exit cost more than the command's end)."""
     import gc
 
     import hyper_parallel.cli_tools as tools
@@ -521,3 +522,6 @@ def test_planning_commands_pause_the_collector_only_while_they_run(capsys, monke
     code, out, _ = run(capsys, ["simulate", "--schedule", "1f1b", "-p", "2", "-m", "4"])
     assert code == 0 and "makespan" in out
     assert seen == [False] and gc.isenabled()
+    from hyper_parallel.core.pipeline_parallel.lowering import plan_cache
+
+    assert not plan_cache._GENERATED and not plan_cache._PLANS  # nothing kept for a teardown at exit
