@@ -226,6 +226,17 @@ def _run_task(task: tuple[Any, ...]) -> Candidate:
     return function(*arguments)
 
 
+def _run_in_worker(task: tuple[Any, ...]) -> Candidate:
+    """A task in a worker process, which forgets the candidate's kept schedules afterwards: no later
+    task there is the same candidate, and each would hold hundreds of MiB at p = 64, m = 1024."""
+    from hyper_parallel.core.pipeline_parallel.lowering import plan_cache
+
+    try:
+        return _run_task(task)
+    finally:
+        plan_cache.clear()
+
+
 def _run_all(tasks: list[tuple[Any, ...]], jobs: int) -> list[Candidate]:
     """Every task's candidate, in order; in ``jobs`` worker processes when there is more than one
     task, here otherwise (and where the tasks cannot be sent to a worker: a schedule class defined
@@ -239,7 +250,7 @@ def _run_all(tasks: list[tuple[Any, ...]], jobs: int) -> list[Candidate]:
     if jobs <= 1:
         return [_run_task(task) for task in tasks]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(_run_task, tasks))
+        return list(pool.map(_run_in_worker, tasks))
 
 
 def default_jobs(limit: int = 8) -> int:
