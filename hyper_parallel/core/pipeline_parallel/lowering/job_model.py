@@ -41,6 +41,7 @@ entry.
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, Schedule, consumer_stage, consumes, message_key, produces
@@ -151,6 +152,7 @@ class JobModel:
         self.force = force_posts and self.stream
         self.forced: list[tuple[int, MetaStep, int]] = []
         self.preposted: set[tuple[int, DataKey]] = set()
+        self.carriers: dict[int, dict[DataKey, tuple[list[int], list[MetaStep]]]] = {}  # see _next_carrier
 
     # ------------------------------------------------------------------ driver
     def run(self) -> JobOutcome:
@@ -323,11 +325,8 @@ class JobModel:
             return False
         recv = self.recvs.get((peer, send.key))
         if recv is None:
-            for step in self.steps[peer][self.cursor[peer]:]:
-                part = next((p for p in step.comm_parts if message_key(p) == send.key), None)
-                if part is not None:
-                    break
-            else:
+            part = self._next_carrier(peer, send.key)
+            if part is None:
                 return False
             recv = _Op(send.key, False, part, head)
             self.recvs[(peer, send.key)] = recv
@@ -346,6 +345,20 @@ class JobModel:
             if self._complete(finished, both):
                 self._activate_stream(finished.group.rank)
         return True
+
+    def _next_carrier(self, rank: int, key: DataKey) -> MetaStep | None:
+        """The first operation carrying ``key`` in the steps of ``rank`` from its cursor on (the first
+        such step, its first such operation), found by bisection in an index of the rank's list made
+        on the first question about that rank (a scan per forced post would be quadratic)."""
+        index = self.carriers.get(rank)
+        if index is None:
+            index = self.carriers[rank] = _carriers(self.steps[rank])
+        places = index.get(key)
+        if places is None:
+            return None
+        positions, parts = places
+        k = bisect_left(positions, self.cursor[rank])
+        return parts[k] if k < len(positions) else None
 
     def _counterpart(self, op: _Op) -> _Op | None:
         if op.is_send:
@@ -431,6 +444,24 @@ class JobModel:
         if other is None:
             return f"{_send_text(op.key)} on rank {peer}"
         return f"{_send_text(op.key)} on rank {peer}, which waits behind an earlier group of operations there"
+
+
+def _carriers(steps: list[MetaStep]) -> dict[DataKey, tuple[list[int], list[MetaStep]]]:
+    """message key -> (the indices of the steps with an operation carrying it, in order; the first
+    such operation of each of these steps)."""
+    index: dict[DataKey, tuple[list[int], list[MetaStep]]] = {}
+    for position, step in enumerate(steps):
+        for part in step.comm_parts:
+            key = message_key(part)
+            if key is None:
+                continue
+            places = index.get(key)
+            if places is None:
+                index[key] = ([position], [part])
+            elif places[0][-1] != position:  # the first operation of a step counts
+                places[0].append(position)
+                places[1].append(part)
+    return index
 
 
 def _send_text(key: DataKey) -> str:
