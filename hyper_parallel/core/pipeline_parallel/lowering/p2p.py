@@ -60,7 +60,9 @@ from hyper_parallel.core.pipeline_parallel.lowering.p2p_plan import (  # rank_pl
     _Emit,
     _emit_batch,
     _emit_plain,
-    _gap_slots,
+    _cached_gap_slots,
+    _gap_slots,  # noqa: F401
+    _slots_key,
     _number_fifo,
     _place_recvs,
     _plan_rank,
@@ -255,7 +257,8 @@ def _rank_group_positions(
         key = (rank, gap, tuple(id(recv) for recv in here))
         groups = cache.get(key)
         if groups is None:
-            slots, _ = _gap_slots(plan, gap, sends_at.get(gap, _NO_SENDS)[1], here)
+            slots, _ = _cached_gap_slots(plan, gap, sends_at.get(gap, _NO_SENDS)[1], here,
+                                         _slots_key(plan, gap, here))
             groups = cache[key] = [slot for slot in slots if slot]  # one BATCH step per non-empty slot
         for ops in groups:
             place = (group, gap)
