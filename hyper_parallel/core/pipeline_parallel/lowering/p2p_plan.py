@@ -327,8 +327,13 @@ def _gap_slots(
     of this gap depends on them (or a repair said so), else to slot 1; the data receives go with
     the sends (a group of receives alone ahead of the sends would cross the same groups of a
     peer that does the same), unless a repair marked them to go before the metadata."""
-    if not any(recv.step.meta_type.is_meta for recv in recvs):  # one slot: the sends, then the receives
-        return [[*sends, *(recv.step for recv in (_order_recvs(recvs) if len(recvs) > 1 else recvs))]], []
+    for recv in recvs:
+        if recv.step.meta_type.is_meta:
+            break
+    else:  # one slot: the sends, then the receives
+        slot = list(sends)
+        slot += [recv.step for recv in (_order_recvs(recvs) if len(recvs) > 1 else recvs)]
+        return [slot], []
     ordered = _order_recvs(recvs)
     metas = [r for r in ordered if r.step.meta_type.is_meta]
     meta_slot = {message_key(r.step)[1:]: k + 1 for k, r in enumerate(metas)}
