@@ -62,6 +62,18 @@ def comm_step(micro: int | None, kind: MetaStepType, stage: int | None) -> MetaS
     return step
 
 
+def batch_step(ops: list[MetaStep]) -> MetaStep:
+    """``MetaStep(None, BATCH_SEND_RECV, None, ops)`` without ``__post_init__``'s checks, for send and
+    receive steps lowering made (half a million per assembly of a large job): equal to, hashes as and
+    prints as the checked one (sub-steps as a tuple, as ``__post_init__`` makes them)."""
+    step = _new(MetaStep)
+    _set(step, "micro_index", None)
+    _set(step, "meta_type", _T.BATCH_SEND_RECV)
+    _set(step, "stage_index", None)
+    _set(step, "sub_steps", tuple(ops))
+    return step
+
+
 @dataclass(frozen=True, slots=True)
 class PartComms:
     """A compute part's messages with other ranks: (step kind, peer rank) of each value it

@@ -41,15 +41,32 @@ entry.
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, Schedule, consumer_stage, consumes, message_key, produces
+from hyper_parallel.core.pipeline_parallel.ir.steps import (
+    DataKey,
+    MetaStep,
+    MetaStepType,
+    Schedule,
+    consumer_stage,
+    consumes,
+    message_key,
+    produces,
+)
 
 MODELS = ("eager", "stream")
 Clock = tuple[int, ...]
 """A vector clock, never changed once made: groups and operations share them (a run of a large job
 holds millions, one entry per rank each); only a rank's own running clock is a list."""
 _NO_CLOCK: Clock = ()  # groups' clocks when the run does not track them (never read then)
+_NO_OPS: list = []  # a communication step that waits for none of its operations (never changed)
+# step kinds as sets hashed in C: the model reads a step's kind several times per step, millions in all
+_COMM_KINDS = frozenset(kind for kind in MetaStepType if kind.is_comm)
+_COMPUTE_KINDS = frozenset(kind for kind in MetaStepType if kind.is_compute)
+_SINGLE_PARTS = frozenset(kind for kind in _COMPUTE_KINDS if not kind.is_overlap)  # a step that is its only part
+_SEND_KINDS = frozenset(kind for kind in MetaStepType if kind.is_send)
+_META_KINDS = frozenset(kind for kind in MetaStepType if kind.is_meta)
 
 
 @dataclass(eq=False, slots=True)  # millions made and read per planning
@@ -151,6 +168,7 @@ class JobModel:
         self.force = force_posts and self.stream
         self.forced: list[tuple[int, MetaStep, int]] = []
         self.preposted: set[tuple[int, DataKey]] = set()
+        self.carriers: dict[int, dict[DataKey, tuple[list[int], list[MetaStep]]]] = {}  # see _next_carrier
 
     # ------------------------------------------------------------------ driver
     def run(self) -> JobOutcome:
@@ -158,7 +176,7 @@ class JobModel:
         while progress:
             progress = False
             for rank in self.ranks:
-                while self._advance(rank):
+                if self._advance(rank):
                     progress = True
             if not progress and self.force:
                 progress = self._force_posts()
@@ -185,38 +203,60 @@ class JobModel:
         return JobOutcome(stuck, pending, heads, clocks, list(self.ranks), self.forced)
 
     def _advance(self, rank: int) -> bool:
+        """Run ``rank``'s steps until one cannot go on (noting what it waits for); True when it moved."""
         steps = self.steps[rank]
-        index = self.cursor[rank]
-        if index >= len(steps):
+        end = len(steps)
+        start = index = self.cursor[rank]
+        while index < end:
+            step = steps[index]
+            kind = step.meta_type
+            if kind in _COMM_KINDS:
+                if not self._communicate(rank, index, step):
+                    break
+            elif kind in _COMPUTE_KINDS:
+                if not self._compute(rank, step):
+                    break
+            index += 1  # steps the model does not know (FSDP, swap...) take no part
+        else:
             if not self._all_done(rank):
                 self.waits[rank] = "its sends to complete"
-            return False
-        step = steps[index]
-        if step.meta_type.is_comm:
-            return self._communicate(rank, index, step)
-        if step.meta_type.is_compute:
-            return self._compute(rank, step)
-        self.cursor[rank] += 1  # steps the model does not know (FSDP, swap...) take no part
-        return True
+        self.cursor[rank] = index
+        return index > start
 
     # ------------------------------------------------------------------ compute
     def _compute(self, rank: int, step: MetaStep) -> bool:
+        """Run a compute step whose inputs all exist; else note the first missing one."""
+        parts = (step,) if step.meta_type in _SINGLE_PARTS else step.parts
         consumed: list[_Op] = []
-        for part in step.parts:
+        made = self.made[rank]
+        for part in parts:
             for key in consumes(part, self.num_stages):
-                if not self._available(rank, key, consumed):
+                # _available, written out: two to three inputs per step, millions of steps
+                owner = self.stage_to_rank[key[1]]
+                if owner == rank or not self.lowered:
+                    ready = key in (made if owner == rank else self.made_anywhere)
+                else:
+                    op = self.recvs.get((rank, key))
+                    ready = op is not None and op.done
+                    if ready:
+                        consumed.append(op)
+                if not ready:
                     self.waits[rank] = (rank, key)
                     return False
-        for op in consumed:
-            self._merge(rank, op)
-        for part in step.parts:
+        made_anywhere = None if self.lowered else self.made_anywhere  # read only for compute-only lists
+        for part in parts:
             for key in produces(part):
-                self.made[rank].add(key)
-                self.made_anywhere.add(key)
-        self.computed[rank] += 1
-        self.clock[rank][self.position[rank]] = self.computed[rank]
-        self.snapshot[rank] = None
-        self.cursor[rank] += 1
+                made.add(key)
+                if made_anywhere is not None:
+                    made_anywhere.add(key)
+        if self.track:
+            clock = self.clock[rank]
+            for op in consumed:
+                if op.done_clock is not None:
+                    _max_into(clock, op.done_clock)
+            self.computed[rank] += 1
+            clock[self.position[rank]] = self.computed[rank]
+            self.snapshot[rank] = None
         return True
 
     def _available(self, rank: int, key: DataKey, consumed: list[_Op]) -> bool:
@@ -245,51 +285,59 @@ class JobModel:
 
     # ------------------------------------------------------------------ communication
     def _communicate(self, rank: int, index: int, step: MetaStep) -> bool:
-        if self.issued.get(rank) != index:
-            self._issue(rank, index, step)
+        """Issue the step's operations (once) and wait for those it blocks on; True when done waiting."""
+        if self.issued.get(rank) == index:
+            blocking = self.blocking[rank]
+        else:
+            blocking = self._issue(rank, index, step)
+            if not blocking:
+                return True
             self.issued[rank] = index
-        blocking = self.blocking.get(rank, [])
+            self.blocking[rank] = blocking
         for op in blocking:
             if not op.done:
                 self.waits[rank] = (op,)
                 return False
         for op in blocking:
             self._merge(rank, op)
-        self.blocking.pop(rank, None)
-        del self.issued[rank]
-        self.cursor[rank] += 1
+        del self.blocking[rank], self.issued[rank]
         return True
 
-    def _issue(self, rank: int, index: int, step: MetaStep) -> None:
+    def _issue(self, rank: int, index: int, step: MetaStep) -> list[_Op]:
+        """Issue the operations of a communication step as one group; the receives it waits for."""
         clock = _NO_CLOCK
         if self.track:
             clock = self.snapshot[rank]
             if clock is None:
                 clock = self.snapshot[rank] = tuple(self.clock[rank])
         group = _Group(rank, index, clock)
+        ops = group.ops
+        sends, recvs, preposted = self.sends, self.recvs, self.preposted
         for part in step.comm_parts:
             key = message_key(part)
             if key is None:
                 raise ValueError(f"{part} carries no message")
-            if (rank, key) in self.preposted:
+            if preposted and (rank, key) in preposted:
                 continue
-            op = _Op(key, part.meta_type.is_send, part, group)
-            group.ops.append(op)
-            if op.is_send:
-                self.sends[key] = op
+            is_send = part.meta_type in _SEND_KINDS
+            op = _Op(key, is_send, part, group)
+            ops.append(op)
+            if is_send:
+                sends[key] = op
             else:
-                self.recvs[(rank, key)] = op
-        group.remaining = len(group.ops)
-        if step.meta_type.is_meta:  # the metadata channel: eager, outside the groups
-            self.blocking[rank] = [op for op in group.ops if not op.is_send]
+                recvs[(rank, key)] = op
+        group.remaining = len(ops)
+        if step.meta_type in _META_KINDS:  # the metadata channel: eager, outside the groups
+            blocking = [op for op in ops if not op.is_send]
             self._activate_eager(group)
-            return
+            return blocking
         self.queue[rank].append(group)
-        self.blocking[rank] = [op for op in group.ops if not op.is_send and self.wait_at_post]
+        blocking = [op for op in ops if not op.is_send] if self.wait_at_post else _NO_OPS
         if self.stream:
             self._activate_stream(rank)
         else:
             self._activate_eager(group)
+        return blocking
 
     def _force_posts(self) -> bool:
         """Stuck: move receives that active sends wait for into their rank's first unfinished group."""
@@ -323,11 +371,8 @@ class JobModel:
             return False
         recv = self.recvs.get((peer, send.key))
         if recv is None:
-            for step in self.steps[peer][self.cursor[peer]:]:
-                part = next((p for p in step.comm_parts if message_key(p) == send.key), None)
-                if part is not None:
-                    break
-            else:
+            part = self._next_carrier(peer, send.key)
+            if part is None:
                 return False
             recv = _Op(send.key, False, part, head)
             self.recvs[(peer, send.key)] = recv
@@ -346,6 +391,20 @@ class JobModel:
             if self._complete(finished, both):
                 self._activate_stream(finished.group.rank)
         return True
+
+    def _next_carrier(self, rank: int, key: DataKey) -> MetaStep | None:
+        """The first operation carrying ``key`` in the steps of ``rank`` from its cursor on (the first
+        such step, its first such operation), found by bisection in an index of the rank's list made
+        on the first question about that rank (a scan per forced post would be quadratic)."""
+        index = self.carriers.get(rank)
+        if index is None:
+            index = self.carriers[rank] = _carriers(self.steps[rank])
+        places = index.get(key)
+        if places is None:
+            return None
+        positions, parts = places
+        k = bisect_left(positions, self.cursor[rank])
+        return parts[k] if k < len(positions) else None
 
     def _counterpart(self, op: _Op) -> _Op | None:
         if op.is_send:
@@ -370,29 +429,38 @@ class JobModel:
     def _activate_stream(self, rank: int) -> None:
         """Activate the first unfinished group of ``rank``, cascading to the peers."""
         pending = [rank]
+        queues, heads, track = self.queue, self.head, self.track
         while pending:
             r = pending.pop()
-            queue = self.queue[r]
+            queue = queues[r]
+            end = len(queue)
+            h = heads[r]
             previous = None
-            while self.head[r] < len(queue) and queue[self.head[r]].remaining == 0:
-                previous = queue[self.head[r]]
-                self.head[r] += 1
-            if self.head[r] >= len(queue) or queue[self.head[r]].active:
+            while h < end and queue[h].remaining == 0:
+                previous = queue[h]
+                h += 1
+            heads[r] = h
+            if h >= end or queue[h].active:
                 continue
-            group = queue[self.head[r]]
-            if previous is None and self.head[r] > 0:
-                previous = queue[self.head[r] - 1]
+            group = queue[h]
+            if previous is None and h > 0:
+                previous = queue[h - 1]
             group.active = True
             group.active_clock = group.issue_clock
-            if self.track and previous is not None:
+            if track and previous is not None:
                 group.active_clock = _joined(group.issue_clock, previous.done_clock)
             for op in group.ops:
-                other = self._counterpart(op)
+                # _counterpart, written out (the activation of every group of the job runs this)
+                if op.is_send:
+                    other = self.recvs.get((self.stage_to_rank[consumer_stage(op.key)], op.key))
+                else:
+                    other = self.sends.get(op.key)
                 if other is not None and other.group.active and not op.done:
-                    both = _joined(group.active_clock, other.group.active_clock) if self.track else None
-                    for finished in (op, other):
-                        if self._complete(finished, both):
-                            pending.append(finished.group.rank)
+                    both = _joined(group.active_clock, other.group.active_clock) if track else None
+                    if self._complete(op, both):
+                        pending.append(op.group.rank)
+                    if self._complete(other, both):
+                        pending.append(other.group.rank)
             if group.remaining == 0:
                 pending.append(r)
 
@@ -431,6 +499,24 @@ class JobModel:
         if other is None:
             return f"{_send_text(op.key)} on rank {peer}"
         return f"{_send_text(op.key)} on rank {peer}, which waits behind an earlier group of operations there"
+
+
+def _carriers(steps: list[MetaStep]) -> dict[DataKey, tuple[list[int], list[MetaStep]]]:
+    """message key -> (the indices of the steps with an operation carrying it, in order; the first
+    such operation of each of these steps)."""
+    index: dict[DataKey, tuple[list[int], list[MetaStep]]] = {}
+    for position, step in enumerate(steps):
+        for part in step.comm_parts:
+            key = message_key(part)
+            if key is None:
+                continue
+            places = index.get(key)
+            if places is None:
+                index[key] = ([position], [part])
+            elif places[0][-1] != position:  # the first operation of a step counts
+                places[0].append(position)
+                places[1].append(part)
+    return index
 
 
 def _send_text(key: DataKey) -> str:

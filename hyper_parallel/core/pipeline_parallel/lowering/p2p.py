@@ -60,7 +60,9 @@ from hyper_parallel.core.pipeline_parallel.lowering.p2p_plan import (  # rank_pl
     _Emit,
     _emit_batch,
     _emit_plain,
-    _gap_slots,
+    _cached_gap_slots,
+    _gap_slots,  # noqa: F401
+    _slots_key,
     _number_fifo,
     _place_recvs,
     _plan_rank,
@@ -188,16 +190,18 @@ def _uncross(plans: dict[int, _RankPlan]) -> None:
     cache: _GroupCache = {}  # valid within this call: only wanted gaps change here
     where: dict[int, dict[int, tuple[tuple[int, int], MetaStep]]] = {}
     dirty = set(plans)  # ranks whose receives moved: only their positions, and their pairs, change
+    by_peer: dict[int, dict[int, list[tuple]]] = {}
     for _ in range(sum(len(plan.recvs) for plan in plans.values()) + 1):
         for rank in dirty:
             where[rank] = _rank_group_positions(rank, plans[rank], cache)
+            by_peer[rank] = _matched_by_peer(rank, where[rank], matches)
         moved: set[int] = set()
         # a fix touches only its pair's receives, so the pairs of one sweep are independent; a pair
         # whose ranks did not move is as the last sweep left it (no fix was possible there)
         for low, high in pair_keys:
             if low not in dirty and high not in dirty:
                 continue
-            entries = _pair_entries(low, high, where, matches)
+            entries = _pair_entries(low, high, where, by_peer)
             entries.sort(key=lambda e: (e[0][0], e[1][0]))
             furthest = None
             for entry in entries:
@@ -213,24 +217,34 @@ def _uncross(plans: dict[int, _RankPlan]) -> None:
         dirty = moved
 
 
-_GroupCache = dict[tuple[int, int, tuple[int, ...]], list[list[MetaStep]]]
+_GroupCache = dict[tuple[int, int, tuple[_Recv, ...]], list[list[MetaStep]]]
 _Positions = dict[int, dict[int, tuple[tuple[int, int], MetaStep]]]
 
 
-def _pair_entries(low: int, high: int, where: _Positions, matches: dict) -> list[tuple]:
+def _matched_by_peer(rank: int, where: dict[int, tuple[tuple[int, int], MetaStep]],
+                     matches: dict) -> dict[int, list[tuple]]:
+    """The receives of ``rank`` that match a send, by the sender's rank, each as (its place, the
+    receive, the id of the send), in program order (the order of ``where``)."""
+    by_peer: dict[int, list[tuple]] = defaultdict(list)
+    for op_id, (place, op) in where.items():
+        match = matches.get((rank, op_id))
+        if match is not None:
+            by_peer[match[0]].append((place, op, match[1]))
+    return by_peer
+
+
+def _pair_entries(low: int, high: int, where: _Positions, by_peer: dict[int, dict[int, list[tuple]]]) -> list[tuple]:
     """The messages between ranks ``low`` and ``high``, each as (place on low, place on high, its
     operation on low, its operation on high): low's receives first, then high's, in program order."""
     entries = []
-    for op_id, (place, op) in where[low].items():
-        match = matches.get((low, op_id))
-        if match is not None and match[0] == high:
-            other_place, other = where[high][match[1]]
-            entries.append((place, other_place, op, other))
-    for op_id, (place, op) in where[high].items():
-        match = matches.get((high, op_id))
-        if match is not None and match[0] == low:
-            other_place, other = where[low][match[1]]
-            entries.append((other_place, place, other, op))
+    on_high = where[high]
+    for place, op, other_id in by_peer[low].get(high, ()):
+        other_place, other = on_high[other_id]
+        entries.append((place, other_place, op, other))
+    on_low = where[low]
+    for place, op, other_id in by_peer[high].get(low, ()):
+        other_place, other = on_low[other_id]
+        entries.append((other_place, place, other, op))
     return entries
 
 
@@ -252,10 +266,11 @@ def _rank_group_positions(
     end = len(plan.items)
     for gap in sorted(gap for gap in recvs_at.keys() | sends_at.keys() if 0 <= gap <= end):  # an empty gap has no group
         here = recvs_at.get(gap, _NO_RECVS)
-        key = (rank, gap, tuple(id(recv) for recv in here))
+        key = (rank, gap, tuple(here))  # the receives by identity (eq=False), compared in C
         groups = cache.get(key)
         if groups is None:
-            slots, _ = _gap_slots(plan, gap, sends_at.get(gap, _NO_SENDS)[1], here)
+            slots, _ = _cached_gap_slots(plan, gap, sends_at.get(gap, _NO_SENDS)[1], here,
+                                         _slots_key(plan, gap, here))
             groups = cache[key] = [slot for slot in slots if slot]  # one BATCH step per non-empty slot
         for ops in groups:
             place = (group, gap)

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, message_key
-from hyper_parallel.core.pipeline_parallel.lowering.comm_steps import PAIRS, PartComms, comm_step, part_comms
+from hyper_parallel.core.pipeline_parallel.lowering.comm_steps import (
+    PAIRS,
+    PartComms,
+    batch_step,
+    comm_step,
+    part_comms,
+)
 
 _T = MetaStepType
 
@@ -53,7 +59,9 @@ class _RankPlan:
     fifo: _FifoPlan | None = None  # set once by _number_fifo
     # gap -> (what its steps depend on, the steps) from the last assembly: lowering assembles a
     # rank many times and moves few receives in between
-    assembled: dict[int, tuple[tuple, list[MetaStep]]] = field(default_factory=dict)
+    assembled: dict[int, tuple[Callable, tuple, list[MetaStep]]] = field(default_factory=dict)
+    # gap -> (what its slots depend on, its slots) from the last time they were made (``_cached_gap_slots``)
+    slots: dict[int, tuple[tuple, tuple[list[list[MetaStep]], list[MetaStep]]]] = field(default_factory=dict)
     # gap -> (its metadata sends, its data sends): sends by gap without the peers; None: to be made again
     gap_sends: dict[int, tuple[list[MetaStep], list[MetaStep]]] | None = None
 
@@ -276,15 +284,38 @@ def _sends_by_gap(plan: _RankPlan) -> dict[int, tuple[list[MetaStep], list[MetaS
 def _gap_steps(plan: _RankPlan, gap: int, here: list[_Recv], emit: _Emit) -> list[MetaStep]:
     """The steps of one gap: metadata sends first, then what ``emit`` makes of its slots; kept from
     the last assembly while nothing ``_gap_slots`` reads changed."""
-    key = (emit, gap in plan.sends_first, tuple((id(r), r.before_meta, r.depends_on) for r in here))
+    key = _slots_key(plan, gap, here)
     cached = plan.assembled.get(gap)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    if cached is not None and cached[0] is emit and cached[1] == key:
+        return cached[2]
     meta_sends, data_sends = _sends_by_gap(plan).get(gap, _NO_SENDS)
     steps = list(meta_sends)
-    steps += emit(*_gap_slots(plan, gap, data_sends, here))
-    plan.assembled[gap] = (key, steps)
+    steps += emit(*_cached_gap_slots(plan, gap, data_sends, here, key))
+    plan.assembled[gap] = (emit, key, steps)
     return steps
+
+
+def _slots_key(plan: _RankPlan, gap: int, here: list[_Recv]) -> tuple:
+    """What ``_gap_slots`` reads of a gap that can change between two assemblies (the receives there,
+    in order; their ``before_meta`` and ``depends_on`` and the gap's ``sends_first`` where the gap may
+    hold a metadata receive): equal keys, equal slots. A rank without metadata receives (every gap
+    then one slot) needs only the receives, compared by identity in C."""
+    if plan.fifo is not None and not plan.fifo.meta_recvs:
+        return tuple(here)
+    return gap in plan.sends_first, tuple([(id(r), r.before_meta, r.depends_on) for r in here])
+
+
+def _cached_gap_slots(
+    plan: _RankPlan, gap: int, sends: list[MetaStep], here: list[_Recv], key: tuple
+) -> tuple[list[list[MetaStep]], list[MetaStep]]:
+    """``_gap_slots`` of a gap whose ``_slots_key`` is ``key``, kept per gap: the batch lowering asks
+    for them in its sweeps over message crossings (``p2p._uncross``) and again to assemble."""
+    cached = plan.slots.get(gap)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    slots = _gap_slots(plan, gap, sends, here)
+    plan.slots[gap] = (key, slots)
+    return slots
 
 
 def _gap_slots(
@@ -296,8 +327,13 @@ def _gap_slots(
     of this gap depends on them (or a repair said so), else to slot 1; the data receives go with
     the sends (a group of receives alone ahead of the sends would cross the same groups of a
     peer that does the same), unless a repair marked them to go before the metadata."""
-    if not any(recv.step.meta_type.is_meta for recv in recvs):  # one slot: the sends, then the receives
-        return [[*sends, *(recv.step for recv in (_order_recvs(recvs) if len(recvs) > 1 else recvs))]], []
+    for recv in recvs:
+        if recv.step.meta_type.is_meta:
+            break
+    else:  # one slot: the sends, then the receives
+        slot = list(sends)
+        slot += [recv.step for recv in (_order_recvs(recvs) if len(recvs) > 1 else recvs)]
+        return [slot], []
     ordered = _order_recvs(recvs)
     metas = [r for r in ordered if r.step.meta_type.is_meta]
     meta_slot = {message_key(r.step)[1:]: k + 1 for k, r in enumerate(metas)}
@@ -339,10 +375,9 @@ def _emit_plain(slots: list[list[MetaStep]], meta_recvs: list[MetaStep]) -> list
 
 
 def _emit_batch(slots: list[list[MetaStep]], meta_recvs: list[MetaStep]) -> list[MetaStep]:
-    def batch(ops: list[MetaStep]) -> list[MetaStep]:
-        return [MetaStep(None, _T.BATCH_SEND_RECV, None, ops)] if ops else []
-
-    out = batch(slots[0])
+    out = [batch_step(slots[0])] if slots[0] else []
     for meta, slot in zip(meta_recvs, slots[1:], strict=True):
-        out += [meta, *batch(slot)]
+        out.append(meta)
+        if slot:
+            out.append(batch_step(slot))
     return out
