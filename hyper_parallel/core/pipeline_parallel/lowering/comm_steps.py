@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep, MetaStepType, consumer_stage, consumes, produces
+from hyper_parallel.core.pipeline_parallel.ir.steps import (
+    MetaStep,
+    MetaStepType,
+    consumer_stage,
+    consumes,
+    produces,
+    unchecked_step,
+)
 
 _T = MetaStepType
-_new = object.__new__
-_set = object.__setattr__
 
 
 def peer_rank(op: MetaStep, stage_to_rank: dict[int, int]) -> int:
@@ -50,28 +55,16 @@ def counterpart(op: MetaStep) -> MetaStep:
 
 
 def comm_step(micro: int | None, kind: MetaStepType, stage: int | None) -> MetaStep:
-    """``MetaStep(micro, kind, stage)`` without ``__post_init__``'s checks, for indices taken from
-    checked steps (lowering makes a million of these for a large job). The fields are set as
-    ``__init__`` sets them, one by one (setting ``__dict__`` would give each step a dict of its own:
-    more memory, slower reads): the step is equal to, hashes as and prints as the checked one."""
-    step = _new(MetaStep)
-    _set(step, "micro_index", micro)
-    _set(step, "meta_type", kind)
-    _set(step, "stage_index", stage)
-    _set(step, "sub_steps", None)
-    return step
+    """``MetaStep(micro, kind, stage)`` without the argument checks (`unchecked_step`), for indices
+    taken from checked steps: lowering makes a million of these for a large job."""
+    return unchecked_step(micro, kind, stage)
 
 
 def batch_step(ops: list[MetaStep]) -> MetaStep:
-    """``MetaStep(None, BATCH_SEND_RECV, None, ops)`` without ``__post_init__``'s checks, for send and
-    receive steps lowering made (half a million per assembly of a large job): equal to, hashes as and
-    prints as the checked one (sub-steps as a tuple, as ``__post_init__`` makes them)."""
-    step = _new(MetaStep)
-    _set(step, "micro_index", None)
-    _set(step, "meta_type", _T.BATCH_SEND_RECV)
-    _set(step, "stage_index", None)
-    _set(step, "sub_steps", tuple(ops))
-    return step
+    """``MetaStep(None, BATCH_SEND_RECV, None, ops)`` without the argument checks, for send and
+    receive steps lowering made (half a million per assembly of a large job); the sub-steps become
+    a tuple, as the checked constructor makes them."""
+    return unchecked_step(None, _T.BATCH_SEND_RECV, None, tuple(ops))
 
 
 @dataclass(frozen=True, slots=True)
