@@ -112,3 +112,19 @@ def test_a_schedule_a_worker_cannot_import_runs_here():
 def test_jobs_must_be_a_positive_int(jobs):
     with pytest.raises(ValueError, match="jobs must be an int >= 1"):
         tune(COSTS, 1e9, 8, 2, schedules=SCHEDULES, jobs=jobs)
+
+
+class _Exploding(SCHEDULES["1f1b"]):
+    """A schedule whose generator fails with an error tune does not turn into a note."""
+
+    @classmethod
+    def generate(cls, p, v, m):
+        raise RuntimeError(f"generator bug at m={m}")
+
+
+def test_an_error_in_a_worker_is_raised_as_without_workers():
+    schedules = {"gpipe": SCHEDULES["gpipe"], "exploding": _Exploding}
+    with pytest.raises(RuntimeError, match="generator bug at m=1"):
+        tune(COSTS, 1e9, 8, 2, schedules=schedules)
+    with pytest.raises(RuntimeError, match="generator bug at m=1"):
+        tune(COSTS, 1e9, 8, 2, schedules=schedules, jobs=2)

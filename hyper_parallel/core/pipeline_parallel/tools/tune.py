@@ -239,18 +239,23 @@ def _run_in_worker(task: tuple[Any, ...]) -> Candidate:
 
 def _run_all(tasks: list[tuple[Any, ...]], jobs: int) -> list[Candidate]:
     """Every task's candidate, in order; in ``jobs`` worker processes when there is more than one
-    task, here otherwise (and where the tasks cannot be sent to a worker: a schedule class defined
-    where a worker cannot import it)."""
+    task, here otherwise, and here again where the workers fail: the tasks cannot be sent (a
+    schedule class defined in a function), a worker cannot read them back (a class of a script's
+    ``__main__`` where workers are spawned, not forked) or dies. A candidate's own error is raised
+    from here then, as without workers."""
     jobs = min(jobs, len(tasks))
     if jobs > 1:
         try:
             pickle.dumps(tasks)
         except (pickle.PicklingError, AttributeError, TypeError):
             jobs = 1
-    if jobs <= 1:
-        return [_run_task(task) for task in tasks]
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(_run_in_worker, tasks))
+    if jobs > 1:
+        try:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                return list(pool.map(_run_in_worker, tasks))
+        except Exception:  # noqa: BLE001 - whatever went wrong there, the same tasks run here
+            pass
+    return [_run_task(task) for task in tasks]
 
 
 def default_jobs(limit: int = 8) -> int:
