@@ -117,6 +117,37 @@ def test_constructor_rejects_bad_fields(args, message):
 
 
 @pytest.mark.parametrize(
+    "args, message",
+    [((True, T.FWD, 0), "micro_index must be an int or None, got True"),
+     (("x", T.FWD, 0), "micro_index must be an int or None, got 'x'"),
+     ((0, T.FWD, 1.5), "stage_index must be an int or None, got 1.5"),
+     ((0, "F", 0), "meta_type must be a MetaStepType, got 'F'"),
+     ((0, T.FWD, 0, ["F.s0.m0"]), "sub_steps must hold MetaSteps, got 'F.s0.m0'")],
+)
+def test_a_dataclass_subclass_is_checked_too(args, message):
+    """Review finding: MetaStep checks in a written-out __init__ (millions are made), which the
+    __init__ a dataclass subclass generates replaces; the subclass's calls __post_init__, which must
+    still check the fields and make the sub-steps a tuple (hashable)."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True, repr=False)
+    class Tagged(MetaStep):
+        tag: str = ""
+
+    with pytest.raises(TypeError, match=re.escape(message)):
+        Tagged(*args)
+    batch = Tagged(None, T.BATCH_SEND_RECV, None, [S("SEND_F.s0.m0")], tag="t")
+    assert isinstance(batch.sub_steps, tuple) and hash(batch) == hash(dataclasses.replace(batch))
+
+    @dataclasses.dataclass(frozen=True, repr=False)
+    class Extended(MetaStep):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+
+    assert str(Extended(0, T.FWD, 1)) == "F.s1.m0"
+
+
+@pytest.mark.parametrize(
     "text",
     ["", "X.s0.m0", "F.s0.m", "F.m0.s0", "F.s0.m0.", "F s0", "f.s0.m0", "BATCH[F.s0.m0",
      "BATCH[F.s0.m0+]", "BATCH]", "F.s0.m0x", "BATCH[F.s0.m0,B.s0.m0]", "0F0", "F.sx"],

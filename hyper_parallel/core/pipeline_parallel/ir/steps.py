@@ -128,6 +128,23 @@ _new = object.__new__
 _set = object.__setattr__
 
 
+def _checked(micro_index: object, meta_type: object, stage_index: object, sub_steps: object
+             ) -> tuple[MetaStep, ...] | None:
+    """MetaStep's argument checks (TypeError naming the field), in field order; the sub-steps as a
+    tuple."""
+    if not isinstance(meta_type, MetaStepType):
+        raise TypeError(f"MetaStep.meta_type must be a MetaStepType, got {meta_type!r}")
+    _check_index("micro_index", micro_index)
+    _check_index("stage_index", stage_index)
+    if sub_steps is None:
+        return None
+    subs = tuple(sub_steps)  # type: ignore[call-overload]
+    for sub in subs:
+        if not isinstance(sub, MetaStep):
+            raise TypeError(f"MetaStep.sub_steps must hold MetaSteps, got {sub!r}")
+    return subs
+
+
 @dataclass(frozen=True, repr=False)
 class MetaStep:
     """One step of a per-rank schedule; hashable, compared by value."""
@@ -138,8 +155,9 @@ class MetaStep:
     sub_steps: tuple[MetaStep, ...] | None = None
 
     # Written out, so `dataclass` keeps it instead of generating one that sets the fields and then
-    # calls a __post_init__ to check them: millions are made. The checks, their order and their
-    # errors are those of the fields in order; the fields are set in order, one by one, as the
+    # calls __post_init__ to check them: millions are made, nearly all of plain ints and no
+    # sub-steps, which need no check. Anything else goes through the checks of __post_init__, in
+    # the same order with the same errors; the fields are set in order, one by one, as the
     # generated __init__ sets them (the same instance layout).
     def __init__(
         self,
@@ -148,21 +166,21 @@ class MetaStep:
         stage_index: int | None,
         sub_steps: tuple[MetaStep, ...] | None = None,
     ) -> None:
-        if not isinstance(meta_type, MetaStepType):
-            raise TypeError(f"MetaStep.meta_type must be a MetaStepType, got {meta_type!r}")
-        if not (micro_index is None or type(micro_index) is int):  # the common case without a call
-            _check_index("micro_index", micro_index)
-        if not (stage_index is None or type(stage_index) is int):
-            _check_index("stage_index", stage_index)
-        if sub_steps is not None:
-            sub_steps = tuple(sub_steps)
-            for sub in sub_steps:
-                if not isinstance(sub, MetaStep):
-                    raise TypeError(f"MetaStep.sub_steps must hold MetaSteps, got {sub!r}")
+        if sub_steps is not None or type(meta_type) is not MetaStepType \
+                or not (micro_index is None or type(micro_index) is int) \
+                or not (stage_index is None or type(stage_index) is int):
+            sub_steps = _checked(micro_index, meta_type, stage_index, sub_steps)
         _set(self, "micro_index", micro_index)
         _set(self, "meta_type", meta_type)
         _set(self, "stage_index", stage_index)
         _set(self, "sub_steps", sub_steps)
+
+    def __post_init__(self) -> None:
+        """The checks, for the ``__init__`` a dataclass subclass generates (it sets the fields, then
+        calls this); MetaStep's own ``__init__`` makes them before setting the fields."""
+        sub_steps = _checked(self.micro_index, self.meta_type, self.stage_index, self.sub_steps)
+        if sub_steps is not None:
+            _set(self, "sub_steps", sub_steps)
 
     def __str__(self) -> str:
         text = self.meta_type.code
