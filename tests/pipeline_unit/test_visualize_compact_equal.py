@@ -88,3 +88,29 @@ def test_library_schedules_chart_as_before(name):
         _, rows = _compact_rows(result, slot, exact=False)
         assert rows == _rows_before(result, slot)
     assert "one column" in ascii_chart(result, width=40, mode="compact")
+
+
+def test_a_step_before_time_zero_is_cut_not_wrapped():
+    """Review finding: a hand-made result with a step starting before 0 made ``bincount`` raise
+    (the old loop wrapped the negative slots into the last columns). What lies before 0 is not
+    drawn; the rest of the step is."""
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import SimulationResult
+
+    result = SimulationResult(4.0, 0.0, {0: 0}, {0: [(-0.5, 0.25, MetaStep(0, _T.FWD, 0)),
+                                                   (0.5, 4.0, MetaStep(0, _T.BWD, 0))]})
+    _, rows = _compact_rows(result, 0.2, exact=False)
+    assert rows[0] == "F." + "B" * 18
+
+
+def test_numpy_times_chart_as_floats():
+    """Review finding: with numpy scalars as times, ``(0.0).__lt__`` answered NotImplemented (true),
+    so zero-length steps set the unit to 0 and the chart raised."""
+    import numpy as np
+
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import SimulationResult
+
+    steps = [(0.0, 0.0, MetaStep(0, _T.FWD, 0)), (0.0, 4.0, MetaStep(0, _T.BWD, 0))]
+    plain = SimulationResult(4.0, 0.0, {0: 0}, {0: steps})
+    typed = SimulationResult(4.0, 0.0, {0: 0}, {0: [(np.float32(a), np.float32(b), s) for a, b, s in steps]})
+    for mode in ("auto", "full", "compact"):
+        assert ascii_chart(typed, width=60, mode=mode) == ascii_chart(plain, width=60, mode=mode)

@@ -15,7 +15,8 @@ import json
 import math
 import os
 import shutil
-from operator import attrgetter, itemgetter, sub
+from functools import partial
+from operator import attrgetter, itemgetter, lt, sub
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,7 +84,7 @@ def ascii_chart(
         placement = stage_to_rank or infer_stage_to_rank(schedule_or_result)
         result = simulate(schedule_or_result, placement, costs, comm_cost)
     width = width or terminal_width()
-    positive = (0.0).__lt__  # d > 0, over every step's duration at C speed (a large job has millions)
+    positive = partial(lt, 0.0)  # d > 0 (numpy scalars too), over every duration at C speed: millions
     durations = (d for steps in result.timeline.values() for d in filter(positive, map(sub, map(_END, steps),
                                                                                        map(_START, steps))))
     unit = unit or min(durations, default=1.0)
@@ -236,7 +237,7 @@ def _majority_row(timeline: list[tuple[float, float, MetaStep]], slot: float, nc
     offsets = np.arange(len(step)) - np.repeat(np.cumsum(spans) - spans, spans)
     cell = np.repeat(first, spans) + offsets
     overlap = np.minimum(ends[step], (cell + 1) * slot) - np.maximum(starts[step], cell * slot)
-    keep = overlap > 0
+    keep = (overlap > 0) & (cell >= 0)  # what lies before time 0 (a hand-made result) is not drawn
     letters = len(_CODES)
     bins = cell[keep] * letters + codes[step[keep]]
     sums = np.bincount(bins, weights=overlap[keep], minlength=ncells * letters)
