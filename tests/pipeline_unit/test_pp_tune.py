@@ -128,3 +128,23 @@ def test_an_error_in_a_worker_is_raised_as_without_workers():
         tune(COSTS, 1e9, 8, 2, schedules=schedules)
     with pytest.raises(RuntimeError, match="generator bug at m=1"):
         tune(COSTS, 1e9, 8, 2, schedules=schedules, jobs=2)
+
+
+class _Oops(Exception):
+    """An error whose arguments do not rebuild it: it cannot come back from a worker process."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a}-{b}")
+
+
+class _RaisesOops(SCHEDULES["1f1b"]):
+    @classmethod
+    def generate(cls, p, v, m):
+        raise _Oops(p, m)
+
+
+def test_an_error_that_cannot_leave_a_worker_is_raised_as_without_workers():
+    """Review finding: the worker's error could not be rebuilt in this process, and tune raised
+    BrokenProcessPool instead of the schedule's own error; the candidates now run here then."""
+    with pytest.raises(_Oops, match="2-1"):
+        tune(COSTS, 1e9, 8, 2, schedules={"oops": _RaisesOops, "gpipe": SCHEDULES["gpipe"]}, jobs=2)

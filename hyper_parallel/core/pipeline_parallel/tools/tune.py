@@ -35,6 +35,7 @@ schedules, when ``lowered``), and the chosen one's order is in
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 from collections.abc import Sequence
@@ -227,14 +228,17 @@ def _run_task(task: tuple[Any, ...]) -> Candidate:
 
 
 def _run_in_worker(task: tuple[Any, ...]) -> Candidate:
-    """A task in a worker process, which forgets the candidate's kept schedules afterwards: no later
-    task there is the same candidate, and each would hold hundreds of MiB at p = 64, m = 1024."""
+    """A task in a worker process, which forgets the candidate's kept schedules afterwards (no later
+    task there is the same candidate, and each would hold hundreds of MiB at p = 64, m = 1024) and
+    collects what cycles it left: a worker forked while the collector was paused (the CLI pauses it)
+    runs with it off."""
     from hyper_parallel.core.pipeline_parallel.lowering import plan_cache
 
     try:
         return _run_task(task)
     finally:
         plan_cache.clear()
+        gc.collect()  # little is left alive between candidates: a short pass
 
 
 def _run_all(tasks: list[tuple[Any, ...]], jobs: int) -> list[Candidate]:
