@@ -231,7 +231,8 @@ class JobModel:
         made = self.made[rank]
         for part in parts:
             for key in consumes(part, self.num_stages):
-                # _available, written out: two to three inputs per step, millions of steps
+                # an input exists: made on this rank (anywhere, in a compute-only list), else its receive
+                # completed; in line, not a method call: two to three inputs per step, millions of steps
                 owner = self.stage_to_rank[key[1]]
                 if owner == rank or not self.lowered:
                     ready = key in (made if owner == rank else self.made_anywhere)
@@ -257,16 +258,6 @@ class JobModel:
             self.computed[rank] += 1
             clock[self.position[rank]] = self.computed[rank]
             self.snapshot[rank] = None
-        return True
-
-    def _available(self, rank: int, key: DataKey, consumed: list[_Op]) -> bool:
-        owner = self.stage_to_rank[key[1]]
-        if owner == rank or not self.lowered:
-            return key in (self.made[rank] if owner == rank else self.made_anywhere)
-        op = self.recvs.get((rank, key))
-        if op is None or not op.done:
-            return False
-        consumed.append(op)
         return True
 
     def _wait_text(self, wait: str | tuple) -> str:

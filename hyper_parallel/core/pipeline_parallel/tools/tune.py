@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import gc
 import os
-import pickle
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -248,11 +247,6 @@ def _run_all(tasks: list[tuple[Any, ...]], jobs: int) -> list[Candidate]:
     ``__main__`` where workers are spawned, not forked) or dies. A candidate's own error is raised
     from here then, as without workers."""
     jobs = min(jobs, len(tasks))
-    if jobs > 1:
-        try:
-            pickle.dumps(tasks)
-        except (pickle.PicklingError, AttributeError, TypeError):
-            jobs = 1
     if jobs > 1:
         try:
             with ProcessPoolExecutor(max_workers=jobs) as pool:

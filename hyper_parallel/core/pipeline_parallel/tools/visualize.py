@@ -30,8 +30,9 @@ MODES = ("auto", "full", "wrap", "compact")
 _MAX_WRAPPED_BLOCKS = 3
 _LETTERS = {MetaStepType.FWD: "F", MetaStepType.BWD: "B", MetaStepType.BWD_INPUT: "I", MetaStepType.BWD_WEIGHT: "W",
             MetaStepType.PRE_FWD: "P", MetaStepType.PRE_BWD: "Q"}
+_LETTER_OF = {kind: "O" if kind.is_overlap else _LETTERS.get(kind, "?") for kind in MetaStepType}
 _CODES = "FBIWPQO?"  # a compact row's letters, by number (``_CODE_OF``)
-_CODE_OF = {kind: _CODES.index("O" if kind.is_overlap else _LETTERS.get(kind, "?")) for kind in MetaStepType}
+_CODE_OF = {kind: _CODES.index(letter) for kind, letter in _LETTER_OF.items()}
 _START, _END, _STEP = itemgetter(0), itemgetter(1), itemgetter(2)
 _TYPE_OF = attrgetter("meta_type")
 
@@ -257,7 +258,7 @@ def _majority_row(timeline: list[tuple[float, float, MetaStep]], slot: float, nc
 
 
 def _letter(step: MetaStep) -> str:
-    return "O" if step.meta_type.is_overlap else _LETTERS.get(step.meta_type, "?")
+    return _LETTER_OF[step.meta_type]
 
 
 def _row_lines(rows: dict[int, str], head: str, lo: int = 0, hi: int | None = None) -> list[str]:

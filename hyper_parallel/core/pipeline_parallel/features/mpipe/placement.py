@@ -202,7 +202,8 @@ def time_job(flow: Flow, plan: MPipePlan, costs: CostModel, preprocess: StageCos
         return None
     twice = len(made) != sum(len(keys) for lists in flow.makes.values() for keys in lists)
     follows = {zero: {key: got[2] for key, got in made.items()}}
-    follows[mine] = {key: got[3] for key, got in made.items()}
+    if mine != zero:
+        follows[mine] = {key: got[3] for key, got in made.items()}
     return JobTiming(reached, start, after_zero, need, forward_index, follows, twice)
 
 
