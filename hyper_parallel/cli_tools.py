@@ -130,6 +130,7 @@ def _machine_transport(args: argparse.Namespace, machine: Any) -> str:
 def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from hyper_parallel.core.pipeline_parallel.tools.catalog import chunk_range, default_chunks, resolve_schedule
     from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel
+    from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import run_lowering
     from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate_schedule
     from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError
     from hyper_parallel.core.pipeline_parallel.tools.visualize import ascii_chart
@@ -161,17 +162,14 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except ValueError as exc:
             parser.error(f"argument --costs: {args.costs}: {exc}")
         where = f"costs from {args.costs}"
-    like_runtime: dict[str, Any] = {}
     if machine is not None:
-        from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RUNTIME_LOWERING
-
         costs = machine.apply(costs)
-        like_runtime = RUNTIME_LOWERING
         where += f", machine {args.machine}"
+    transport = _machine_transport(args, machine)
+    like_run = run_lowering(transport, machine is not None, not args.no_overlap_p2p)
     try:
         plan, result = simulate_schedule(cls, args.ranks, chunks, args.micro_batches, costs,
-                                         lowered=not args.compute_only, transport=_machine_transport(args, machine),
-                                         **like_runtime)
+                                         lowered=not args.compute_only, transport=transport, **like_run)
     except (ValueError, ScheduleError) as exc:
         print(f"hyper-parallel simulate: {exc}", file=sys.stderr)
         return 1
@@ -404,7 +402,7 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     result = tune(costs, args.memory_limit, args.global_batch, args.ranks, schedules=schedules,
                   chunk_options=args.chunks, micro_batches=micro, state_factor=args.state_factor,
                   lowered=args.lowered or machine is not None, transport=_machine_transport(args, machine),
-                  search=args.search, jobs=args.jobs or default_jobs())
+                  search=args.search, jobs=args.jobs or default_jobs(), overlap_p2p=not args.no_overlap_p2p)
     if args.save_order:
         if result.best is None or result.best.order is None:
             print("hyper-parallel tune: --save-order: the choice is a library schedule, not a searched order "
@@ -593,6 +591,9 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
                    help="P2P transport: plain (eager sends, gloo) or batch (one stream, NCCL/HCCL); default: "
                         "batch for a --machine file calibrated on nccl or hccl, else plain")
     p.add_argument("--compute-only", action="store_true", help="simulate the compute lists without lowering")
+    p.add_argument("--no-overlap-p2p", action="store_true",
+                   help="simulate the lists of schedule.run() with overlap_p2p=False (receives posted where they "
+                        "are waited for; default: the lists of overlap_p2p=True, receives posted ahead)")
     p.add_argument("--chart", choices=("auto", "full", "wrap", "compact"), default="auto", help="chart layout")
     p.add_argument("--width", type=_int_at_least(20), default=None, help="chart width (default: the terminal's)")
     p.add_argument("--trace", type=output_path, default=None, help="write a Chrome/Perfetto trace JSON here")
@@ -665,6 +666,8 @@ def add_tool_commands(sub: Any, formatter: Any) -> None:
     p.add_argument("--machine", default=None,
                    help="machine file of 'hyper-parallel calibrate' (implies --lowered, so every candidate is "
                         "lowered: several times slower at scale; see simulate --machine)")
+    p.add_argument("--no-overlap-p2p", action="store_true",
+                   help="with --lowered: simulate the lists of schedule.run() with overlap_p2p=False (see simulate)")
     p.add_argument("--search", action="store_true",
                    help="also build custom step orders within the memory limit (search-* candidates)")
     p.add_argument("--save-order", type=output_path, default=None, help="write the chosen searched order here as a schedule CSV")

@@ -63,9 +63,49 @@ def test_simulate_with_costs_file_and_batch_transport(capsys, tmp_path):
     assert json.loads(out)["makespan_ms"] == pytest.approx(3 * 3 + 2 * 0.5)
     code, out, _ = run(capsys, ["simulate", "-p", "2", "-m", "2", "--costs", str(costs), "--transport", "batch",
                                 "--json"])
-    # one stream: rank 1 receives F.s0.m1 in the group that sends B.s1.m0's gradient, issued at
-    # 4.5 ms, so that forward waits one more message time than with eager sends
+    # one stream, the lists run() executes by default (receives posted ahead, shapes of the first
+    # micro-batch sent first): the shapes cost rank 1 one more message time than eager sends
     assert code == 0 and json.loads(out)["makespan_ms"] == pytest.approx(10.5)
+    code, out, _ = run(capsys, ["simulate", "-p", "2", "-m", "2", "--costs", str(costs), "--transport", "batch",
+                                "--no-overlap-p2p", "--json"])
+    # overlap_p2p=False: rank 1 also receives F.s0.m1 in the group that sends B.s1.m0's gradient,
+    # so that forward waits one message time more
+    assert code == 0 and json.loads(out)["makespan_ms"] == pytest.approx(11.0)
+
+
+@pytest.mark.parametrize("machine", [False, True])
+@pytest.mark.parametrize("transport", ["plain", "batch"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_simulate_lowers_the_lists_run_executes(capsys, tmp_path, machine, transport, overlap):
+    """The simulated lists are those of schedule.run(overlap_p2p=...): the chart, the table and the
+    trace equal a simulation of `lower`'s lists with run()'s options (receives ahead with
+    overlap_p2p, shapes of the first micro-batch), machine file or not."""
+    from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+    from hyper_parallel.core.pipeline_parallel.schedule import ScheduleInterleaved1F1B
+    from hyper_parallel.core.pipeline_parallel.simulation.costs import load_costs
+    from hyper_parallel.core.pipeline_parallel.simulation.machine import load_machine
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate
+
+    costs = tmp_path / "c.json"
+    costs.write_text(json.dumps({"p2p": {"latency_ms": 0.3, "bandwidth_gb_per_s": 1.0},
+                                 "stages": [{"F": 1, "B": 2, "output_bytes": 2e5}]}))
+    argv = ["simulate", "--schedule", "interleaved-1f1b", "-p", "4", "-v", "2", "-m", "8", "--costs", str(costs),
+            "--transport", transport, "--json"] + ([] if overlap else ["--no-overlap-p2p"])
+    model = load_costs(costs).for_stages(8)
+    if machine:
+        path = tmp_path / "m.json"
+        path.write_text(json.dumps({"p2p": {"latency_ms": 0.2},
+                                    "runtime": {"send_ms": 0.05, "recv_ms": 0.04, "meta_ms": 0.1,
+                                                "meta_recv_ms": 0.4, "batch_ms": 0.07}}))
+        argv += ["--machine", str(path)]
+        model = load_machine(path).apply(model)
+    code, out, _ = run(capsys, argv)
+    assert code == 0
+    cls, placement = ScheduleInterleaved1F1B, ScheduleInterleaved1F1B.stage_placement(4, 2)
+    lists = lower(cls.generate(4, 2, 8), placement, transport, prefetch=overlap, metadata="first")
+    expected = simulate(lists, placement, model, model="stream" if transport == "batch" else "eager")
+    assert json.loads(out)["makespan_ms"] == expected.makespan
+    assert [r["busy_ms"] for r in json.loads(out)["ranks"]] == [expected.busy[r] for r in range(4)]
 
 
 @pytest.mark.parametrize(("argv", "message"), [

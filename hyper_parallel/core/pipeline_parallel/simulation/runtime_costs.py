@@ -67,6 +67,22 @@ RUNTIME_LOWERING: dict[str, Any] = {"prefetch": True, "metadata": "first"}
 """How ``schedule.run()`` lowers by default (``overlap_p2p=True``, static shapes): simulate so."""
 
 
+def run_lowering(transport: str, runtime: bool, overlap_p2p: bool = True) -> dict[str, Any]:
+    """The `lower` options for simulating the lists ``schedule.run(overlap_p2p=...)`` executes on
+    ``transport`` (receives posted ahead with ``overlap_p2p``; shapes sent for the first micro-batch).
+
+    One exception, without runtime costs (``runtime`` false) on ``plain``: the lists without
+    prefetch or metadata. There a post costs nothing and a message leaves when its send is
+    posted, wherever its receive is, so both lists give every compute step the same times, and
+    these are several times cheaper to lower for the whole job (4 s against 16 s at p = 64,
+    v = 4, m = 1024). On ``batch`` the lists differ in time: without prefetch a receive goes into
+    the stream's group of its boundary and waits there (docs/tools.md, simulate: 928 ms without
+    against 270 ms with, for 210 ms of compute)."""
+    if transport == "plain" and not runtime:
+        return {}
+    return {"prefetch": bool(overlap_p2p), "metadata": "first"}
+
+
 @dataclass(frozen=True)
 class PerKind:
     """One figure per compute kind (forward, backward, input backward, weight backward)."""

@@ -14,9 +14,11 @@ every micro-batch count ``m`` that divides ``N``, and simulates each:
 - the choice: the smallest simulated makespan among the fitting candidates (ties: less
   memory, then fewer micro-batches, fewer chunks, then the name).
 
-With ``runtime`` costs in the cost model (a machine file of ``hyper-parallel calibrate``) and
-``lowered``, each candidate is lowered as ``schedule.run()`` lowers it (prefetch on, metadata for
-the first micro-batch) and the runtime's own cost per step is charged (``runtime_costs.py``).
+With ``lowered``, each candidate is lowered as ``schedule.run(overlap_p2p=overlap_p2p)`` lowers it
+(`runtime_costs.run_lowering`: receives posted ahead with ``overlap_p2p``, metadata for the first
+micro-batch; on ``plain`` without runtime costs the cheaper lists without either, which give the
+same times). With ``runtime`` costs in the cost model (a machine file of ``hyper-parallel
+calibrate``) the runtime's own cost per step is charged too (``runtime_costs.py``).
 
 Candidates a schedule cannot run (it rejects the counts, or the simulation finds a deadlock)
 are listed with the reason.
@@ -44,7 +46,7 @@ from typing import Any
 
 from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, chunk_range
 from hyper_parallel.core.pipeline_parallel.simulation.costs import CostModel
-from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import RUNTIME_LOWERING
+from hyper_parallel.core.pipeline_parallel.simulation.runtime_costs import run_lowering
 from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate_schedule
 from hyper_parallel.core.pipeline_parallel.lowering.validate import ScheduleError
 
@@ -92,7 +94,7 @@ def divisors(n: int) -> list[int]:
 def evaluate(
     schedule_class: Any, name: str, costs: CostModel, num_ranks: int, num_chunks: int, num_microbatches: int,
     global_batch: int, memory_limit: float, state_factor: float = 4.0, lowered: bool = False,
-    transport: str = "plain",
+    transport: str = "plain", overlap_p2p: bool = True,
 ) -> Candidate:
     """Simulate one configuration (see the module docstring)."""
     size = global_batch // num_microbatches
@@ -101,9 +103,9 @@ def evaluate(
         scaled = costs.for_micro_batch_size(size) if costs.micro_batch_size else costs
         placement = schedule_class.stage_placement(num_ranks, num_chunks)
         stage_costs = scaled.for_stages(len(placement), allow_even_split=True)
-        like_runtime = RUNTIME_LOWERING if lowered and costs.runtime is not None else {}
+        like_run = run_lowering(transport, costs.runtime is not None, overlap_p2p) if lowered else {}
         plan, result = simulate_schedule(schedule_class, num_ranks, num_chunks, num_microbatches, stage_costs,
-                                         lowered=lowered, transport=transport, timelines=False, **like_runtime)
+                                         lowered=lowered, transport=transport, timelines=False, **like_run)
     except (ValueError, ScheduleError) as exc:
         cand.note = "not runnable: " + str(exc).splitlines()[0]
         return cand
@@ -137,7 +139,7 @@ def _fill(cand: Candidate, result: Any, stage_to_rank: dict[int, int], stage_cos
 def search_candidate(
     costs: CostModel, num_ranks: int, num_chunks: int, placement: str, split: bool, num_microbatches: int,
     global_batch: int, memory_limit: float, state_factor: float = 4.0, lowered: bool = False,
-    transport: str = "plain",
+    transport: str = "plain", overlap_p2p: bool = True,
 ) -> Candidate:
     """A custom order from `order_search.greedy_order` for one configuration, simulated (lowered
     as `evaluate` lowers the library schedules, so that every candidate is compared alike)."""
@@ -157,8 +159,8 @@ def search_candidate(
         order = greedy_order(stage_to_rank, num_microbatches, stage_costs, memory_limit - max(static.values()), split)
         steps = order
         if lowered:
-            like_runtime = RUNTIME_LOWERING if costs.runtime is not None else {}
-            steps = lower(order, stage_to_rank, transport, **like_runtime)
+            steps = lower(order, stage_to_rank, transport,
+                          **run_lowering(transport, costs.runtime is not None, overlap_p2p))
         result = simulate(steps, stage_to_rank, stage_costs, model="stream" if transport == "batch" else "eager",
                           timelines=False)
     except (ValueError, ScheduleError) as exc:
@@ -183,10 +185,12 @@ def tune(
     transport: str = "plain",
     search: bool = False,
     jobs: int = 1,
+    overlap_p2p: bool = True,
 ) -> TuneResult:
     """Try every candidate and pick the best (see the module docstring). ``micro_batches``
     restricts the micro-batch counts (each must divide ``global_batch``); ``jobs``: worker
-    processes simulating candidates side by side (1: all in this process)."""
+    processes simulating candidates side by side (1: all in this process); ``overlap_p2p``: with
+    ``lowered``, the lists of ``schedule.run()`` with that setting."""
     for name, value, low in (("global_batch", global_batch, 1), ("num_ranks", num_ranks, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
@@ -198,6 +202,8 @@ def tune(
             raise ValueError(f"{m} micro-batches do not divide the global batch {global_batch}")
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
+    if not isinstance(overlap_p2p, bool):
+        raise TypeError(f"overlap_p2p must be a bool, got {overlap_p2p!r}")
     schedules = available_schedules() if schedules is None else schedules
     tasks: list[tuple[Any, ...]] = []
     for name, cls in schedules.items():
@@ -205,14 +211,14 @@ def tune(
         for v in sorted({v for v in chunk_options if low <= v <= high}):
             for m in counts:
                 tasks.append((evaluate, cls, name, costs, num_ranks, v, m, global_batch, memory_limit, state_factor,
-                              lowered, transport))
+                              lowered, transport, overlap_p2p))
     if search:
         shapes = [("looped", v) for v in sorted(set(chunk_options)) if v >= 1] + [("v", 2)]
         for placement, v in shapes:
             for split in (False, True):
                 for m in counts:
                     tasks.append((search_candidate, costs, num_ranks, v, placement, split, m, global_batch,
-                                  memory_limit, state_factor, lowered, transport))
+                                  memory_limit, state_factor, lowered, transport, overlap_p2p))
     candidates = _run_all(tasks, jobs)
     fitting = [c for c in candidates if c.fits]
     best = min(fitting, key=Candidate.sort_key) if fitting else None
