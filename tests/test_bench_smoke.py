@@ -63,6 +63,8 @@ def test_smoke_bench_writes_every_section(tmp_path):
                                         "| Schedule1F1B | 2 | 1 | 4 -> 8 | "]),
     ("generate_speed.py", ["--p", "2", "--m", "4", "--rounds", "1"], ["| gpipe | 1 | ", "| interleaved-zb | 4 | ",
                                                                       "| dualpipev | 2 | "]),
+    ("tools_scale.py", ["--p", "2", "--v", "2", "--m", "4", "--slow"],
+     ["| `simulate --transport batch --no-overlap-p2p` | ", "| `tune, every schedule (default workers)` | "]),
 ])
 def test_on_demand_benchmarks_write_their_tables(tmp_path, script, args, rows):
     out = tmp_path / "table.md"
