@@ -188,9 +188,8 @@ def rank_list(flow: Flow, rank: int, level: dict[DataKey, int], metadata: str,
         ops += starmap(_recv, channels[channel])
         dues += bounds.due(channel)
     # by boundary (a stable sort: within one, sends first, in the order above)
-    order = sorted(range(len(dues)), key=dues.__getitem__)
-    ops = tuple(map(ops.__getitem__, order))
-    dues = list(map(dues.__getitem__, order))
+    ops = tuple(map(ops.__getitem__, sorted(range(len(dues)), key=dues.__getitem__)))
+    dues.sort()
     # each boundary's first operation, and the gap it goes to: before the rank's first step of its level or higher
     firsts = [0, *compress(range(1, len(dues)), map(ne, islice(dues, 1, None), dues))] if dues else []
     bound = list(map(dues.__getitem__, firsts))
