@@ -39,13 +39,15 @@ class Flow:
     waits: dict[str, dict[int, dict[int, list[DataKey]]]] = field(default_factory=dict)
     """"natural" / "early" -> rank -> step index -> values whose RECV_META waits right before it."""
 
-    def run(self, rank: int | None, placement: str = "natural", levels: bool = False) -> dict[DataKey, int] | None:
+    def run(self, rank: int | None, placement: str = "natural", levels: bool = False,
+            numbers: dict[int, list[int]] | None = None) -> dict[DataKey, int] | None:
         """Execute the compute job (each step once it has what it waits for, the metadata waits at
         ``placement``); None when a rank is stuck. Returns, per value, the last compute step of
         ``rank`` that its making follows; with ``levels``, the level of the step that made it
         instead: one more than the level of the step before it on its rank, and than the level
         of each step of its rank that made one of its inputs; two more than that of a step of
-        another rank that did (``levels.py``)."""
+        another rank that did (``levels.py``). ``numbers``, where given, gets rank -> that number
+        for each of its steps, in its order (what the values the step makes get)."""
         waits = self.waits.get(placement, {})
         step = 1 if levels else 0
         crossing = self.natural if levels else {}  # a value from another rank: one level more
@@ -59,6 +61,7 @@ class Flow:
             k, steps, needs, makes, clock = cursor[q], self.items[q], self.needs[q], self.makes[q], last[q]
             extra = waits.get(q, {})
             end = len(steps)
+            record = None if numbers is None else numbers.setdefault(q, []).append
             while k < end:
                 blocked = None
                 value = clock + step
@@ -76,6 +79,8 @@ class Flow:
                     waiting.setdefault(blocked, []).append(q)
                     break
                 clock = k if q == rank else value
+                if record:
+                    record(clock)
                 for key in makes[k]:
                     if key in made:
                         return None  # made twice

@@ -30,12 +30,27 @@ boundaries up to ``t - 1``) and runs. Each rank checks that its own list has thi
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
+from itertools import chain, compress, islice, repeat, starmap
+from operator import add, eq, itemgetter, mul, ne, or_, sub
 
-from hyper_parallel.core.pipeline_parallel.ir.steps import DataKey, MetaStep, MetaStepType, Schedule, consumer_stage
+from hyper_parallel.core.pipeline_parallel.ir.steps import (
+    DataKey,
+    MetaStep,
+    MetaStepType,
+    Schedule,
+    consumer_stage,
+    unchecked_step,
+)
 from hyper_parallel.core.pipeline_parallel.lowering.flow import Flow, flow_of
 
 _T = MetaStepType
+_BATCH = _T.BATCH_SEND_RECV
+_KIND, _STAGE = itemgetter(0), itemgetter(1)  # of a value
+_FIRST = itemgetter(0)  # of what a step makes: its first value, whose level is the step's
+_new = object.__new__
+_set = object.__setattr__
 
 
 def lower_by_levels(compute: Schedule, stage_to_rank: dict[int, int], metadata: str) -> dict[int, list[MetaStep]] | None:
@@ -46,10 +61,67 @@ def lower_by_levels(compute: Schedule, stage_to_rank: dict[int, int], metadata: 
     flow = flow_of(compute, stage_to_rank, num_micro, "none", False)
     if flow is None:
         return None
-    level = flow.run(None, levels=True)
+    numbers: dict[int, list[int]] = {}
+    level = flow.run(None, levels=True, numbers=numbers)
     if level is None:
         return None
-    return {rank: rank_list(flow, rank, level, metadata) for rank in sorted(flow.items)}
+    bounds = Boundaries(flow, level, numbers)  # each channel's boundaries once, for both its ends
+    return {rank: rank_list(flow, rank, level, metadata, bounds) for rank in sorted(flow.items)}
+
+
+class Boundaries:
+    """When the values of each channel travel, worked out once per channel when first asked for (by
+    the levels of the steps that consume them: a value travels at the boundary one below), and the
+    values of a channel whose shapes travel ahead of them with ``"first"``."""
+
+    def __init__(self, flow: Flow, level: dict[DataKey, int], numbers: dict[int, list[int]] | None = None) -> None:
+        """``numbers``: what ``flow.run`` put there in the run that returned ``level``, where known."""
+        self.flow, self.level = flow, level
+        self._levels: dict[int, list[int]] = dict(numbers or {})
+        self._due: dict[tuple[int, int], list[int]] = {}
+        self._first: dict[tuple[int, int], list[int]] = {}
+        self._plain: dict[tuple[int, int], bool] = {}
+
+    def levels(self, rank: int) -> list[int]:
+        """The levels of ``rank``'s compute steps, in its order."""
+        out = self._levels.get(rank)
+        if out is None:
+            out = self._levels[rank] = list(map(self.level.__getitem__, map(_FIRST, self.flow.makes[rank])))
+        return out
+
+    def due(self, channel: tuple[int, int]) -> list[int]:
+        """For each value of ``flow.channels[channel]``, in its order, the level of the step of the
+        receiver that consumes it: the value's ``boundary`` plus one."""
+        out = self._due.get(channel)
+        if out is None:
+            consumer = self.levels(channel[1]).__getitem__
+            out = self._due[channel] = list(map(consumer, map(self.flow.natural.__getitem__, self.flow.channels[channel])))
+        return out
+
+    def plain(self, channel: tuple[int, int]) -> bool:
+        """Whether the stage of every value of the channel is a plain int (micro-batches always are,
+        ``flow.read_flow``): then the steps that carry them need none of MetaStep's checks."""
+        out = self._plain.get(channel)
+        if out is None:
+            out = self._plain[channel] = set(map(type, map(_STAGE, self.flow.channels[channel]))) <= {int}
+        return out
+
+    def first(self, channel: tuple[int, int]) -> list[int]:
+        """The places in the channel of the forward values that travel first of their stage (the
+        first sent of those), in order."""
+        out = self._first.get(channel)
+        if out is None:
+            keys, due = self.flow.channels[channel], self.due(channel)
+            places = list(compress(range(len(keys)), map(eq, map(_KIND, keys), repeat("F"))))
+            # by due, the latest first, and among equal dues the last sent first: for each stage, the
+            # place written last is the first sent of those that travel first
+            places = sorted(reversed(places), key=due.__getitem__, reverse=True)
+            out = self._first[channel] = sorted(dict(zip(map(_STAGE, map(keys.__getitem__, places)), places)).values())
+        return out
+
+
+def _channels_of(flow: Flow, rank: int) -> list[tuple[int, int]]:
+    return [channel for channel in flow.channels if rank in channel]
 
 
 def carried(flow: Flow, level: dict[DataKey, int], metadata: str, rank: int) -> set[DataKey]:
@@ -59,19 +131,13 @@ def carried(flow: Flow, level: dict[DataKey, int], metadata: str, rank: int) -> 
     out: set[DataKey] = set()
     if metadata == "none":
         return out
-    for (sender, receiver), sent in flow.channels.items():
-        if rank not in (sender, receiver):
-            continue
-        if metadata == "all":
-            out.update(key for key in sent if key[0] == "F")
-            continue
-        first: dict[int, tuple[int, DataKey]] = {}  # stage -> (boundary, value): the earliest, then the first made
-        for key in sent:
-            if key[0] == "F":
-                t = boundary(flow, level, key)
-                if key[1] not in first or t < first[key[1]][0]:
-                    first[key[1]] = (t, key)
-        out.update(key for _, key in first.values())
+    if metadata == "all":
+        for channel in _channels_of(flow, rank):
+            out.update(key for key in flow.channels[channel] if key[0] == "F")
+        return out
+    bounds = Boundaries(flow, level)
+    for channel in _channels_of(flow, rank):
+        out.update(map(flow.channels[channel].__getitem__, bounds.first(channel)))
     return out
 
 
@@ -97,8 +163,114 @@ def boundary(flow: Flow, level: dict[DataKey, int], key: DataKey) -> int:
     return level[flow.makes[consumer][flow.natural[key]][0]] - 1
 
 
-def rank_list(flow: Flow, rank: int, level: dict[DataKey, int], metadata: str) -> list[MetaStep]:
-    """``rank``'s lowered list (see the module docstring)."""
+def rank_list(flow: Flow, rank: int, level: dict[DataKey, int], metadata: str,
+              bounds: Boundaries | None = None) -> list[MetaStep]:
+    """``rank``'s lowered list (see the module docstring); ``bounds``: the job's, shared by the ranks.
+
+    Written for speed (a large job lowers millions of operations): boundaries are handled as the
+    levels of the consuming steps (``Boundaries.due``, one above), and the steps are made and ordered
+    by whole lists at a time rather than one by one."""
+    bounds = bounds or Boundaries(flow, level)
+    mine = _channels_of(flow, rank)
+    if not all(map(bounds.plain, mine)):
+        return _checked_rank_list(flow, rank, level, metadata)  # the steps need MetaStep's checks
+    items, channels = flow.items[rank], flow.channels
+    # the data operations: the sends in making order, then the receives by sender and FIFO place
+    when: dict[DataKey, int] = {}  # value sent -> its due
+    for channel in mine:
+        if channel[0] == rank:
+            when.update(zip(channels[channel], bounds.due(channel)))
+    sent = list(filter(when.__contains__, chain.from_iterable(flow.makes[rank])))
+    dues = list(map(when.__getitem__, sent))
+    ops = list(starmap(_send, sent))
+    incoming = sorted(channel for channel in mine if channel[1] == rank)
+    for channel in incoming:
+        ops += starmap(_recv, channels[channel])
+        dues += bounds.due(channel)
+    # by boundary (a stable sort: within one, sends first, in the order above)
+    ops = tuple(map(ops.__getitem__, sorted(range(len(dues)), key=dues.__getitem__)))
+    dues.sort()
+    # each boundary's first operation, and the gap it goes to: before the rank's first step of its level or higher
+    firsts = [0, *compress(range(1, len(dues)), map(ne, islice(dues, 1, None), dues))] if dues else []
+    bound = list(map(dues.__getitem__, firsts))
+    gaps = list(map(bisect_left, repeat(bounds.levels(rank)), map(sub, bound, repeat(1))))
+    metas, waited = _metas(flow, rank, metadata, bounds, mine, incoming, sent, when)
+    # the boundaries of one gap share a batch, but for shapes to wait for: a boundary whose shapes
+    # this rank waits for starts a batch
+    changes = map(ne, gaps, [None, *gaps])
+    starts = list(compress(range(len(bound)), map(or_, changes, map(waited.__contains__, bound)) if waited else changes))
+    begins = list(map(firsts.__getitem__, starts))
+    batches = list(map(unchecked_step, repeat(None), repeat(_BATCH), repeat(None),
+                       map(ops.__getitem__, map(slice, begins, [*islice(begins, 1, None), len(ops)]))))
+    # each gap before its step, the batches of a gap in order, each after the shapes of its boundaries
+    # (SEND_METAs first): a stable sort with step k at (2k + 1) * n, batch b of gap g at 2gn + 2b + 1
+    # and its shapes at 2gn + 2b
+    n = 2 * len(batches) + 2
+    where = list(map(mul, map(gaps.__getitem__, starts), repeat(2 * n)))
+    steps = [*items, *batches]
+    keys = [*range(n, (2 * len(items) + 1) * n, 2 * n), *map(add, where, range(1, 2 * len(batches), 2))]
+    for t, step in metas:
+        batch = bisect_right(starts, bisect_left(bound, t)) - 1
+        steps.append(step)
+        keys.append(where[batch] + 2 * batch)
+    return list(map(steps.__getitem__, sorted(range(len(steps)), key=keys.__getitem__)))
+
+
+def _send(kind: str, stage: int, micro: int) -> MetaStep:
+    """``send_step((kind, stage, micro))`` without MetaStep's checks (plain ints), as ``unchecked_step``."""
+    step = _new(MetaStep)
+    _set(step, "micro_index", micro)
+    _set(step, "meta_type", _T.FWD_SEND if kind == "F" else _T.BWD_SEND)
+    _set(step, "stage_index", stage)
+    _set(step, "sub_steps", None)
+    return step
+
+
+def _recv(kind: str, stage: int, micro: int) -> MetaStep:
+    """``recv_step((kind, stage, micro))`` without MetaStep's checks (plain ints), as ``unchecked_step``."""
+    step = _new(MetaStep)
+    _set(step, "micro_index", micro)
+    if kind == "F":
+        _set(step, "meta_type", _T.FWD_RECV)
+        _set(step, "stage_index", stage + 1)
+    else:
+        _set(step, "meta_type", _T.BWD_RECV)
+        _set(step, "stage_index", stage - 1)
+    _set(step, "sub_steps", None)
+    return step
+
+
+def _metas(flow: Flow, rank: int, metadata: str, bounds: Boundaries, mine: list[tuple[int, int]],
+           incoming: list[tuple[int, int]], sent: list[DataKey], when: dict[DataKey, int]
+           ) -> tuple[list[tuple[int, MetaStep]], set[int]]:
+    """The rank's SEND_METAs and RECV_METAs with their dues, by due (within one, the sends in making
+    order, then the receives by sender and FIFO place), and the dues of the receives."""
+    if metadata == "none":
+        return [], set()
+    if metadata == "all":
+        shaped = list(compress(sent, map(eq, map(_KIND, sent), repeat("F"))))
+    else:
+        first = {flow.channels[channel][place] for channel in mine for place in bounds.first(channel)}
+        shaped = list(filter(first.__contains__, sent))
+    metas = [(when[key], 0, MetaStep(key[2], _T.META_SEND, key[1])) for key in shaped]
+    waited: set[int] = set()
+    for channel in incoming:
+        keys, due = flow.channels[channel], bounds.due(channel)
+        if metadata == "all":
+            places = compress(range(len(keys)), map(eq, map(_KIND, keys), repeat("F")))
+        else:
+            places = bounds.first(channel)
+        for p in places:
+            metas.append((due[p], 1, MetaStep(keys[p][2], _T.META_RECV, keys[p][1] + 1)))
+            waited.add(due[p])
+    metas.sort(key=itemgetter(0, 1))
+    return [(t, step) for t, _, step in metas], waited
+
+
+def _checked_rank_list(flow: Flow, rank: int, level: dict[DataKey, int], metadata: str) -> list[MetaStep]:
+    """``rank_list`` as it was first written (lowering/levels.py at cd39060), for values whose stage
+    is not a plain int: its steps go through MetaStep's checks, in the same order, so that what they
+    refuse raises the same error."""
     items = flow.items[rank]
     shapes = carried(flow, level, metadata, rank)
     levels = [level[flow.makes[rank][k][0]] for k in range(len(items))]
