@@ -146,6 +146,8 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.machine is not None and args.compute_only:
         parser.error("argument --compute-only: not allowed with --machine (a machine file predicts the lowered "
                      "lists run() executes; give the runtime costs in a costs file to simulate compute-only lists)")
+    if args.compute_only and args.no_overlap_p2p:
+        parser.error("argument --no-overlap-p2p: not allowed with --compute-only (it chooses lowered lists)")
     costs = _load_costs(parser, args.costs)
     machine = _load_machine(parser, args.machine)
     stages = len(cls.stage_placement(args.ranks, chunks))
@@ -166,7 +168,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         costs = machine.apply(costs)
         where += f", machine {args.machine}"
     transport = _machine_transport(args, machine)
-    like_run = run_lowering(transport, machine is not None, not args.no_overlap_p2p)
+    like_run = run_lowering(transport, costs.runtime is not None, not args.no_overlap_p2p)
     try:
         plan, result = simulate_schedule(cls, args.ranks, chunks, args.micro_batches, costs,
                                          lowered=not args.compute_only, transport=transport, **like_run)
@@ -383,6 +385,8 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from hyper_parallel.core.pipeline_parallel.tools.catalog import available_schedules, resolve_schedule
     from hyper_parallel.core.pipeline_parallel.tools.tune import default_jobs, format_table, tune
 
+    if args.no_overlap_p2p and not (args.lowered or args.machine):
+        parser.error("argument --no-overlap-p2p: needs --lowered or --machine (it chooses lowered lists)")
     costs = _load_costs(parser, args.costs)
     machine = _load_machine(parser, args.machine)
     if machine is not None:

@@ -73,6 +73,33 @@ def test_simulate_with_costs_file_and_batch_transport(capsys, tmp_path):
     assert code == 0 and json.loads(out)["makespan_ms"] == pytest.approx(11.0)
 
 
+@pytest.mark.parametrize("transport", ["plain", "batch"])
+def test_simulate_and_tune_charge_a_costs_files_runtime_on_the_lists_run_executes(capsys, tmp_path, transport):
+    """A costs file may carry the runtime's costs (no --machine): simulate then lowers the lists
+    run() executes on plain too, as tune --lowered does (review finding: it lowered the cheaper
+    lists, whose times are equal only without runtime costs)."""
+    from hyper_parallel.core.pipeline_parallel.lowering.p2p import lower
+    from hyper_parallel.core.pipeline_parallel.schedule import Schedule1F1B
+    from hyper_parallel.core.pipeline_parallel.simulation.costs import load_costs
+    from hyper_parallel.core.pipeline_parallel.simulation.simulate import simulate
+
+    costs = tmp_path / "c.json"
+    costs.write_text(json.dumps({"p2p": {"latency_ms": 0.05}, "stages": [{"F": 1.0, "B": 2.0, "output_bytes": 1e6}],
+                                 "runtime": {"send_ms": 0.1, "recv_ms": 0.1, "meta_ms": 0.3, "meta_recv_ms": 0.2,
+                                             "batch_ms": 0.1}}))
+    placement = Schedule1F1B.stage_placement(4, 1)
+    lists = lower(Schedule1F1B.generate(4, 1, 8), placement, transport, prefetch=True, metadata="first")
+    expected = simulate(lists, placement, load_costs(costs).for_stages(4),
+                        model="stream" if transport == "batch" else "eager").makespan
+    code, out, _ = run(capsys, ["simulate", "-p", "4", "-m", "8", "--costs", str(costs), "--transport", transport,
+                                "--json"])
+    assert code == 0 and json.loads(out)["makespan_ms"] == expected
+    code, out, _ = run(capsys, ["tune", "--costs", str(costs), "--memory-limit", "1e15", "--global-batch", "8",
+                                "-p", "4", "--schedules", "1f1b", "--micro-batches", "8", "--lowered", "--transport",
+                                transport, "--json", "--jobs", "1"])
+    assert code == 0 and json.loads(out)["best"]["makespan_ms"] == expected
+
+
 @pytest.mark.parametrize("machine", [False, True])
 @pytest.mark.parametrize("transport", ["plain", "batch"])
 @pytest.mark.parametrize("overlap", [True, False])
@@ -112,6 +139,10 @@ def test_simulate_lowers_the_lists_run_executes(capsys, tmp_path, machine, trans
     (["simulate", "--schedule", "nope"], "argument --schedule: unknown schedule 'nope'"),
     (["simulate", "--schedule", "1f1b", "-v", "2"], "argument -v/--chunks: 1f1b runs 1..1 chunks per rank, got 2"),
     (["simulate", "--costs", "/nonexistent.json"], "argument --costs:"),
+    (["simulate", "--compute-only", "--no-overlap-p2p"],
+     "argument --no-overlap-p2p: not allowed with --compute-only (it chooses lowered lists)"),
+    (["tune", "--costs", "c.json", "--memory-limit", "1GB", "--global-batch", "8", "-p", "2", "--no-overlap-p2p"],
+     "argument --no-overlap-p2p: needs --lowered or --machine (it chooses lowered lists)"),
     (["tune", "--costs", "c.json", "--memory-limit", "lots", "--global-batch", "8", "-p", "2"],
      "argument --memory-limit: must be a byte count"),
     (["partition", "-p", "2"], "give exactly one of --costs and --layer-costs"),
