@@ -1,5 +1,5 @@
-"""The timed model of ``timed_model.py`` as chains of *nodes*, one per rank (and one per rank's
-stream): the same floats as the general fast run (``fast_timed.py``), with fewer steps visited.
+"""The timed model of ``timed_model.py`` as chains of *nodes*, one per rank: the same floats as
+the general fast run (``fast_timed.py``), with fewer steps visited.
 
 A rank's clock only moves at compute steps and at the communication steps that wait for their
 receives (metadata, or ``wait_at_post``); every duration and message time is >= 0, so the clock
@@ -14,12 +14,20 @@ duration`` (0.0 for a waiting communication step: ``x + 0.0`` is ``x``), the inp
   starts at ``max(clock, max(posted, s + t))`` = ``max(clock, s + t)`` since the receive was
   posted earlier on the same rank (posted <= clock): the input is the node before the send,
   plus ``t``;
-- stream model: each rank's data groups form a second chain: ``A(g) = max(issued(g),
-  C(previous group))`` is when group ``g`` becomes active, an operation completes at ``max(A(g),
-  A(other group)) + t`` = ``max(A(g) + t, A(other) + t)`` (rounding is monotone), and the group
-  completes at ``C(g)``, the largest of those: ``max(A(g) + T(g), A(other) + t, ...)`` with
-  ``T(g)`` its largest message time. A step that consumes a receive takes ``A(g) + t`` and
-  ``A(other) + t`` as inputs.
+- stream model: a data group ``g`` becomes active at ``A(g) = max(issued(g), C(previous group of
+  its rank))``, an operation completes at ``max(A(g), A(other group)) + t`` = ``max(A(g) + t,
+  A(other) + t)`` (rounding is monotone), and the group completes at ``C(g)``, the largest of
+  those: ``max(A(g) + T(g), A(other) + t, ...)`` with ``T(g)`` its largest message time. So
+  ``A(g)`` is the maximum of ``issued(g)`` and the operands of ``C(previous)``: ``A(g)`` is a node
+  of the rank's chain at the group's place (``issued(g)`` is the clock there) whose inputs are
+  ``A(previous) + T(previous)`` and ``A(other) + t`` for each operation of the previous group;
+  unlike the other nodes it leaves the clock as it was (a *side* node). ``C`` needs no node. A
+  step that consumes a receive takes ``A(g) + t`` and ``A(other) + t`` as inputs.
+
+  A step after ``g`` on its rank now runs after ``A(g)``, which the exact model does not ask
+  for: where that makes the chains wait for each other (a rank's data reaches its partner only
+  through its stream, behind ``C(previous)``, so only metadata, sent outside the streams, could
+  make such a wait) the run does not finish and the general run takes over.
 
 Every time is so computed by the same additions and maxima of the same operands as in the
 exact model. The times of the operations (for the trace records and finish times) follow from
@@ -56,17 +64,16 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
     time: list[float | None] = [None] * (nodes + 1)
     time[nodes] = 0.0  # the clock before a chain's first node
     steps = job.steps
-    programs = plan.programs  # chain c: rank c's steps for c < ranks, then the ranks' streams
+    programs = plan.programs  # chain c: rank c's nodes
     chains = len(programs)
     timelines_of: list[list] = [[] for _ in job.ranks]
-    timelines_of += [[]] * (chains - len(job.ranks))  # a stream chain's: never appended to (no compute steps)
     clock_of = [0.0] * chains
     cursor = [0] * chains
     waiting: list[list[int] | None] = [None] * (nodes + 1)  # node -> the chains waiting for it
     ready_chains = list(range(chains - 1, -1, -1))
     dep_a, dep_b, dep_c, dep_d, dep_e, dep_f = plan.deps
     add_a, add_b, add_c, add_d, add_e, add_f = plan.adds
-    durations = plan.durations
+    durations, side = plan.durations, plan.side
     starts: list[float] = [0.0] * count  # when each compute step started (without timelines)
     while ready_chains:
         chain = ready_chains.pop()
@@ -139,12 +146,13 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
             woken = waiting[k]
             if woken is not None:
                 ready_chains.extend(woken)
-            if k < count:
-                if timelines:
-                    timeline.append((ready, end, steps[k]))
-                else:
-                    starts[k] = ready
-            clock = end
+            if k < side:
+                if k < count:
+                    if timelines:
+                        timeline.append((ready, end, steps[k]))
+                    else:
+                        starts[k] = ready
+                clock = end
             index += 1
         cursor[chain], clock_of[chain] = index, clock
         if wait >= 0:
@@ -199,12 +207,13 @@ class _Plan:
         waiting_groups = np.flatnonzero(waits)
         data_groups = np.flatnonzero(~group_meta) if stream else np.zeros(0, dtype=np.int64)
         n_wait, n_data = waiting_groups.size, data_groups.size
-        nodes = count + n_wait + 2 * n_data
+        side = count + n_wait  # nodes from here on (A(g)) leave their chain's clock as it was
+        nodes = side + n_data
         zero = nodes  # the cell of time 0.0
         group_node = np.full(groups, -1, dtype=np.int64)
         group_node[waiting_groups] = count + np.arange(n_wait)
-        active = np.full(groups, -1, dtype=np.int64)  # A(g), and C(g) = A(g) + n_data
-        active[data_groups] = count + n_wait + np.arange(n_data)
+        active = np.full(groups, -1, dtype=np.int64)  # the node of A(g)
+        active[data_groups] = side + np.arange(n_data)
 
         entries, entry_rank = a["entries"], a["entry_rank"]
         node_of_entry = entries.copy()
@@ -232,23 +241,22 @@ class _Plan:
                 return False
             dep, adds = built
 
-        bounds = _rank_bounds(job, entry_rank)
-        programs: list[list[int]] = []
-        for k in range(len(job.ranks)):
-            mine = node_of_entry[bounds[k]:bounds[k + 1]]
-            programs.append(mine[mine >= 0].tolist())
-        if n_data:
-            data_bounds = _rank_bounds(job, a["group_rank"][data_groups])
-            pairs = np.empty(2 * n_data, dtype=np.int64)
-            pairs[0::2], pairs[1::2] = active[data_groups], active[data_groups] + n_data
-            for k in range(len(job.ranks)):
-                if data_bounds[k + 1] > data_bounds[k]:
-                    programs.append(pairs[2 * data_bounds[k]:2 * data_bounds[k + 1]].tolist())
-        self.programs = programs
+        if n_data:  # a data group's A(g) sits at the group's place, before its wait (if it waits)
+            table = np.full((size, 2), -1, dtype=np.int64)
+            table[a["group_entry"][data_groups], 0] = active[data_groups]
+            table[:, 1] = node_of_entry
+            flat, flat_rank = table.reshape(-1), np.repeat(entry_rank, 2)
+        else:
+            flat, flat_rank = node_of_entry, entry_rank
+        kept = flat >= 0
+        flat, flat_rank = flat[kept], flat_rank[kept]
+        bounds = _rank_bounds(job, flat_rank)
+        self.programs = [flat[bounds[k]:bounds[k + 1]].tolist() for k in range(len(job.ranks))]
+        self.side = side
         used = [bool(np.any(dep[j] >= 0)) for j in range(_SLOTS)]  # a slot no node uses: read as -1 all along
         self.deps = [dep[j].tolist() if used[j] else [-1] * nodes for j in range(_SLOTS)]
         self.adds = [adds[j].tolist() if used[j] else [0.0] * nodes for j in range(_SLOTS)]
-        self.durations = np.concatenate([durations, np.zeros(n_wait + 2 * n_data)]).tolist()
+        self.durations = np.concatenate([durations, np.zeros(n_wait + n_data)]).tolist()
         self.prev_node, self.node_of_entry, self.issued, self.active = prev_node, node_of_entry, issued, active
         self.data_op, self.n_data, self.data_groups = data_op, n_data, data_groups
         return True
@@ -286,16 +294,21 @@ class _Plan:
         waiting_recvs = np.flatnonzero(~op_send & waits[op_group])
         receive_inputs(group_node[op_group[waiting_recvs]], waiting_recvs)
         if n_data:
-            # A(g): issued, after the previous group (the chain's clock); C(g): A(g) + T(g), A(other) + t
-            inputs.append((active[data_groups], issued[data_groups], np.zeros(n_data)))
+            # A(g) = max(issued(g) (the clock), C(previous)); C(previous) = max(A(previous) + T(previous),
+            # A(other) + t for each of its operations): its operands become A(g)'s inputs
             start = a["group_start"]
             largest = np.zeros(groups)
             has_ops = start[1:] > start[:-1]
             if op_time.size:
                 largest[has_ops] = np.maximum.reduceat(op_time, start[:-1][has_ops])
-            inputs.append((active[data_groups] + n_data, active[data_groups], largest[data_groups]))
-            data_ops = np.flatnonzero(data_op)
-            inputs.append((active[op_group[data_ops]] + n_data, active[op_group[op_other[data_ops]]],
+            rank_of = a["group_rank"][data_groups]
+            after = np.full(groups, -1, dtype=np.int64)  # the next data group of the same rank
+            same = rank_of[1:] == rank_of[:-1]
+            after[data_groups[:-1][same]] = data_groups[1:][same]
+            previous = data_groups[:-1][same]
+            inputs.append((active[after[previous]], active[previous], largest[previous]))
+            data_ops = np.flatnonzero(data_op & (after[op_group] >= 0))
+            inputs.append((active[after[op_group[data_ops]]], active[op_group[op_other[data_ops]]],
                            op_time[data_ops]))
 
         node = np.concatenate([i[0] for i in inputs])
