@@ -53,9 +53,10 @@ _SLOTS = 6
 
 def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: bool = False,
               timelines: bool = True) -> TimedOutcome | None:
-    """The timed run of a compiled job (see the module docstring), or None. Without ``timelines``
-    the outcome's ``compute`` lists stay empty and ``busy`` (rank -> the sum of its steps' lengths,
-    in order, as `simulate` adds them) says what they would have said; records cannot be made."""
+    """The timed run of a compiled job (see the module docstring), or None. The outcome's ``busy``
+    (rank -> the sum of its steps' lengths, in order, as `simulate` adds them) says what the
+    timelines sum to; without ``timelines`` the ``compute`` lists stay empty and records cannot be
+    made."""
     plan = _Plan.make(job, wait_at_post, stream)
     if plan is None:
         return None
@@ -74,15 +75,14 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
     dep_a, dep_b, dep_c, dep_d, dep_e, dep_f = plan.deps
     add_a, add_b, add_c, add_d, add_e, add_f = plan.adds
     durations, side = plan.durations, plan.side
-    starts: list[float] = [0.0] * count  # when each compute step started (without timelines)
+    starts: list[float] = [0.0] * count  # when each compute step started (for the busy times)
     while ready_chains:
         chain = ready_chains.pop()
         program = programs[chain]
         timeline = timelines_of[chain]
         index, clock = cursor[chain], clock_of[chain]
-        total = len(program)
         wait = -1
-        while index < total:
+        for index in range(index, len(program)):  # a for loop: cheaper per node than counting by hand
             # the six input slots are written out one inside the other, not looped over: this loop
             # runs once per node (millions at p = 64, m = 1024) and a loop over slots costs ~2x here
             k = program[index]
@@ -146,14 +146,15 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
             woken = waiting[k]
             if woken is not None:
                 ready_chains.extend(woken)
-            if k < side:
-                if k < count:
-                    if timelines:
-                        timeline.append((ready, end, steps[k]))
-                    else:
-                        starts[k] = ready
+            if k < count:
+                if timelines:
+                    timeline.append((ready, end, steps[k]))
+                starts[k] = ready
                 clock = end
-            index += 1
+            elif k < side:
+                clock = end
+        else:
+            index = len(program)  # done (also when the loop had nothing left to run)
         cursor[chain], clock_of[chain] = index, clock
         if wait >= 0:
             waiters = waiting[wait]
@@ -168,11 +169,12 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
     finish = plan.finish(times, dict(zip(job.ranks, clock_of)))
     if not timelines:
         outcome = TimedOutcome(compute, [], finish, {})
-        outcome.busy = plan.busy(times, starts)
-        return outcome
-    kept = {rank: list(steps) for rank, steps in compute.items()}  # the caller may change the lists it gets
-    source = RecordSource(lambda: plan.records(num_stages, times, kept))
-    return TimedOutcome(compute, source, finish, {})  # type: ignore[arg-type]
+    else:
+        kept = {rank: list(steps) for rank, steps in compute.items()}  # the caller may change the lists it gets
+        source = RecordSource(lambda: plan.records(num_stages, times, kept))
+        outcome = TimedOutcome(compute, source, finish, {})  # type: ignore[arg-type]
+    outcome.busy = plan.busy(times, starts)  # what the timelines sum to (cheaper than reading them)
+    return outcome
 
 
 def _rank_bounds(job: CompiledJob, ranks_of: np.ndarray) -> np.ndarray:
@@ -251,7 +253,8 @@ class _Plan:
         kept = flat >= 0
         flat, flat_rank = flat[kept], flat_rank[kept]
         bounds = _rank_bounds(job, flat_rank)
-        self.programs = [flat[bounds[k]:bounds[k + 1]].tolist() for k in range(len(job.ranks))]
+        self.program_arrays = [flat[bounds[k]:bounds[k + 1]] for k in range(len(job.ranks))]
+        self.programs = [program.tolist() for program in self.program_arrays]
         self.side = side
         used = [bool(np.any(dep[j] >= 0)) for j in range(_SLOTS)]  # a slot no node uses: read as -1 all along
         self.deps = [dep[j].tolist() if used[j] else [-1] * nodes for j in range(_SLOTS)]
@@ -345,7 +348,7 @@ class _Plan:
         count = start.size
         busy = {}
         for k, rank in enumerate(self.job.ranks):
-            program = np.asarray(self.programs[k], dtype=np.int64)
+            program = self.program_arrays[k]
             mine = program[program < count]
             busy[rank] = sum(map(sub, times[mine].tolist(), start[mine].tolist()))
         return busy
