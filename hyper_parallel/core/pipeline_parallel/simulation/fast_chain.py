@@ -177,6 +177,65 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
     return outcome
 
 
+class _Slots:
+    """The inputs ``(cell, add)`` of every node by slot: a node's next input takes its next free slot."""
+
+    def __init__(self, nodes: int) -> None:
+        self.nodes = nodes
+        self.dep: list[np.ndarray] = []  # per slot: the cell of each node (-1: none)
+        self.add: list[np.ndarray] = []
+        self.filled = np.zeros(nodes, dtype=np.int64)  # per node: the slots taken
+
+    def put(self, node: np.ndarray, cell: np.ndarray, add: np.ndarray, runs: bool = False) -> None:
+        """One more input for each of ``node``; ``runs``: a node may come again, but only right after
+        itself (then each time in the next slot), else every node comes once."""
+        if node.size == 0:
+            return
+        slot = self.filled[node]
+        if runs:
+            start = np.flatnonzero(np.concatenate([[True], node[1:] != node[:-1]]))
+            length = np.diff(np.append(start, node.size))
+            slot = slot + (np.arange(node.size) - np.repeat(start, length))
+            self.filled[node[start]] += length
+        else:
+            self.filled[node] += 1
+        lowest, highest = int(slot.min()), int(slot.max())
+        while len(self.dep) <= min(highest, _SLOTS - 1):
+            self.dep.append(np.full(self.nodes, -1, dtype=np.int64))
+            self.add.append(np.zeros(self.nodes, dtype=np.float64))
+        for j in range(lowest, min(highest, _SLOTS - 1) + 1):
+            at = slice(None) if lowest == highest else slot == j
+            self.dep[j][node[at]] = cell[at]
+            self.add[j][node[at]] = add[at]
+
+    def fits(self) -> bool:
+        """No node has more inputs than the run has slots."""
+        return not self.filled.size or int(self.filled.max()) <= _SLOTS
+
+    def lists(self) -> tuple[list[list[int]], list[list[float]]]:
+        """The slots as the lists the run reads: a slot few nodes use is filled in item by item."""
+        nodes = self.nodes
+        none, zeros = [-1] * nodes, [0.0] * nodes  # the slots no node uses: read, never written
+        deps, adds = [], []
+        for dep, add in zip(self.dep, self.add):
+            used = np.flatnonzero(dep >= 0)
+            if used.size == 0:
+                deps.append(none)
+                adds.append(zeros)
+            elif used.size * 16 < nodes:
+                dep_list, add_list = list(none), list(zeros)
+                for k, cell, value in zip(used.tolist(), dep[used].tolist(), add[used].tolist()):
+                    dep_list[k], add_list[k] = cell, value
+                deps.append(dep_list)
+                adds.append(add_list)
+            else:
+                deps.append(dep.tolist())
+                adds.append(add.tolist())
+        deps += [none] * (_SLOTS - len(deps))
+        adds += [zeros] * (_SLOTS - len(adds))
+        return deps, adds
+
+
 def _rank_bounds(job: CompiledJob, ranks_of: np.ndarray) -> np.ndarray:
     """Where each rank's part begins (and the last one ends) in an array ordered rank by rank."""
     return np.searchsorted(ranks_of, job.ranks + [job.ranks[-1] + 1] if job.ranks else [])
@@ -229,19 +288,14 @@ class _Plan:
         issued = prev_node[a["group_entry"]]  # per group: the node whose end is its issue time
         data_op = ~group_meta[op_group] if stream else np.zeros(op_group.size, dtype=bool)
 
+        slots = _Slots(nodes)
         if groups == 0:  # compute steps only: their inputs are the compiled ones, one per slot
-            dep = np.full((_SLOTS, nodes), -1, dtype=np.int64)
-            adds = np.zeros((_SLOTS, nodes), dtype=np.float64)
             for slot in range(a["deps"].shape[0]):
                 cells = a["deps"][slot]
-                dep[slot] = np.where(cells >= 0, cells - job.num_ops, -1)
-                adds[slot] = a["adds"][slot]
-        else:
-            built = self._inputs(count, nodes, waits, group_node, active, issued, data_op,
-                                 data_groups, n_data, groups)
-            if built is None:
-                return False
-            dep, adds = built
+                slots.dep.append(np.where(cells >= 0, cells - job.num_ops, -1))
+                slots.add.append(a["adds"][slot])
+        elif not self._inputs(slots, count, waits, group_node, active, issued, data_op, data_groups, n_data, groups):
+            return False
 
         if n_data:  # a data group's A(g) sits at the group's place, before its wait (if it waits)
             table = np.full((size, 2), -1, dtype=np.int64)
@@ -256,31 +310,30 @@ class _Plan:
         self.program_arrays = [flat[bounds[k]:bounds[k + 1]] for k in range(len(job.ranks))]
         self.programs = [program.tolist() for program in self.program_arrays]
         self.side = side
-        used = [bool(np.any(dep[j] >= 0)) for j in range(_SLOTS)]  # a slot no node uses: read as -1 all along
-        self.deps = [dep[j].tolist() if used[j] else [-1] * nodes for j in range(_SLOTS)]
-        self.adds = [adds[j].tolist() if used[j] else [0.0] * nodes for j in range(_SLOTS)]
+        self.deps, self.adds = slots.lists()
         self.durations = np.concatenate([durations, np.zeros(n_wait + n_data)]).tolist()
         self.prev_node, self.node_of_entry, self.issued, self.active = prev_node, node_of_entry, issued, active
         self.data_op, self.n_data, self.data_groups = data_op, n_data, data_groups
         return True
 
-    def _inputs(self, count: int, nodes: int, waits: np.ndarray, group_node: np.ndarray,
-                active: np.ndarray, issued: np.ndarray, data_op: np.ndarray, data_groups: np.ndarray, n_data: int,
-                groups: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Every node's inputs ``(cell, add)`` by slot (see the module docstring); None: not exact here."""
+    def _inputs(self, slots: _Slots, count: int, waits: np.ndarray, group_node: np.ndarray, active: np.ndarray,
+                issued: np.ndarray, data_op: np.ndarray, data_groups: np.ndarray, n_data: int, groups: int) -> bool:
+        """Every node's inputs ``(cell, add)`` into ``slots`` (see the module docstring); False: not exact here."""
         job, a = self.job, self.job.arrays
         op_time, op_send, op_group, op_other = a["op_time"], a["op_send"], a["op_group"], a["op_other"]
-        inputs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (node, cell, add)
+        put = slots.put
 
-        def receive_inputs(node: np.ndarray, recv: np.ndarray) -> None:
-            """What a receive gives the node that waits for it (see the module docstring)."""
+        def receive_inputs(node: np.ndarray, recv: np.ndarray, runs: bool = False) -> None:
+            """What a receive gives the node that waits for it (see the module docstring); ``runs``: as
+            in `_Slots.put` (the receives of one waiting group)."""
             data = data_op[recv]
-            eager_node, eager_recv = node[~data], recv[~data]
-            inputs.append((eager_node, issued[op_group[op_other[eager_recv]]], op_time[eager_recv]))
+            if not np.all(data):
+                eager_node, eager_recv = node[~data], recv[~data]
+                put(eager_node, issued[op_group[op_other[eager_recv]]], op_time[eager_recv], runs)
             if np.any(data):
                 node, recv = node[data], recv[data]
-                inputs.append((node, active[op_group[recv]], op_time[recv]))
-                inputs.append((node, active[op_group[op_other[recv]]], op_time[recv]))
+                put(node, active[op_group[recv]], op_time[recv], runs)
+                put(node, active[op_group[op_other[recv]]], op_time[recv], runs)
 
         number = np.arange(count, dtype=np.int64)
         base = job.num_ops
@@ -288,14 +341,14 @@ class _Plan:
         for slot in range(a["deps"].shape[0]):
             cells, got = a["deps"][slot], a["received"][slot]
             local = (cells >= 0) & ~got
-            inputs.append((number[local], cells[local] - base, a["adds"][slot][local]))
+            put(number[local], cells[local] - base, a["adds"][slot][local])
             if np.any(got):
                 recv = cells[got]
                 if np.any(a["group_entry"][op_group[recv]] > compute_entry[got]):
-                    return None  # posted after the step that needs it: the exact model waits forever
+                    return False  # posted after the step that needs it: the exact model waits forever
                 receive_inputs(number[got], recv)
         waiting_recvs = np.flatnonzero(~op_send & waits[op_group])
-        receive_inputs(group_node[op_group[waiting_recvs]], waiting_recvs)
+        receive_inputs(group_node[op_group[waiting_recvs]], waiting_recvs, runs=True)  # a group's side by side
         if n_data:
             # A(g) = max(issued(g) (the clock), C(previous)); C(previous) = max(A(previous) + T(previous),
             # A(other) + t for each of its operations): its operands become A(g)'s inputs
@@ -309,24 +362,11 @@ class _Plan:
             same = rank_of[1:] == rank_of[:-1]
             after[data_groups[:-1][same]] = data_groups[1:][same]
             previous = data_groups[:-1][same]
-            inputs.append((active[after[previous]], active[previous], largest[previous]))
-            data_ops = np.flatnonzero(data_op & (after[op_group] >= 0))
-            inputs.append((active[after[op_group[data_ops]]], active[op_group[op_other[data_ops]]],
-                           op_time[data_ops]))
-
-        node = np.concatenate([i[0] for i in inputs])
-        order = np.argsort(node, kind="stable")
-        node = node[order]
-        cell = np.concatenate([i[1] for i in inputs])[order]
-        add = np.concatenate([i[2] for i in inputs])[order]
-        slot = np.arange(node.size) - np.searchsorted(node, node)
-        if np.any(slot >= _SLOTS):
-            return None
-        dep = np.full((_SLOTS, nodes), -1, dtype=np.int64)
-        adds = np.zeros((_SLOTS, nodes), dtype=np.float64)
-        dep[slot, node] = cell
-        adds[slot, node] = add
-        return dep, adds
+            put(active[after[previous]], active[previous], largest[previous])
+            data_ops = np.flatnonzero(data_op & (after[op_group] >= 0))  # a group's operations side by side
+            put(active[after[op_group[data_ops]]], active[op_group[op_other[data_ops]]], op_time[data_ops],
+                runs=True)
+        return slots.fits()
 
     # ------------------------------------------------------------------ after the run
     def _op_times(self, times: np.ndarray) -> np.ndarray:
