@@ -39,8 +39,6 @@ the general fast run, which says so in its own way.
 
 from __future__ import annotations
 
-from operator import sub
-
 import numpy as np
 
 from hyper_parallel.core.pipeline_parallel.simulation.fast_general import FastRun
@@ -75,11 +73,11 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
     dep_a, dep_b, dep_c, dep_d, dep_e, dep_f = plan.deps
     add_a, add_b, add_c, add_d, add_e, add_f = plan.adds
     durations, side = plan.durations, plan.side
-    starts: list[float] = [0.0] * count  # when each compute step started (for the busy times)
+    spans_of: list[list[float]] = [[] for _ in job.ranks]  # per chain: its compute steps' lengths, in order
     while ready_chains:
         chain = ready_chains.pop()
         program = programs[chain]
-        timeline = timelines_of[chain]
+        timeline, spans = timelines_of[chain], spans_of[chain]
         index, clock = cursor[chain], clock_of[chain]
         wait = -1
         for index in range(index, len(program)):  # a for loop: cheaper per node than counting by hand
@@ -149,7 +147,7 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
             if k < count:
                 if timelines:
                     timeline.append((ready, end, steps[k]))
-                starts[k] = ready
+                spans.append(end - ready)
                 clock = end
             elif k < side:
                 clock = end
@@ -165,15 +163,15 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
     if any(cursor[chain] < len(programs[chain]) for chain in range(chains)):
         return None  # stuck: the general run (and then the exact model) will say where
     compute = dict(zip(job.ranks, timelines_of))
-    times = np.asarray(time, dtype=np.float64)
-    finish = plan.finish(times, dict(zip(job.ranks, clock_of)))
+    finish = plan.finish(time, dict(zip(job.ranks, clock_of)))
     if not timelines:
         outcome = TimedOutcome(compute, [], finish, {})
     else:
         kept = {rank: list(steps) for rank, steps in compute.items()}  # the caller may change the lists it gets
-        source = RecordSource(lambda: plan.records(num_stages, times, kept))
+        source = RecordSource(lambda: plan.records(num_stages, np.asarray(time, dtype=np.float64), kept))
         outcome = TimedOutcome(compute, source, finish, {})  # type: ignore[arg-type]
-    outcome.busy = plan.busy(times, starts)  # what the timelines sum to (cheaper than reading them)
+    # what `simulate` adds up from a timeline: sum(end - start) in order, the same floats
+    outcome.busy = {rank: sum(spans) for rank, spans in zip(job.ranks, spans_of)}
     return outcome
 
 
@@ -256,9 +254,8 @@ class _Plan:
     def _build(self, wait_at_post: bool) -> bool:
         job, a, stream = self.job, self.job.arrays, self.stream
         count = len(job.steps)
-        durations = np.asarray(job.durations, dtype=np.float64)
         op_time = a["op_time"]
-        for values in (durations, op_time, a["adds"]):
+        for values in (a["durations"], op_time, a["adds"]):
             if not (np.all(np.isfinite(values)) and np.all(values >= 0)):
                 return False
         op_send, op_group, group_meta = a["op_send"], a["op_group"], a["group_meta"]
@@ -283,7 +280,8 @@ class _Plan:
         size = entries.size
         last = np.maximum.accumulate(np.where(node_of_entry >= 0, np.arange(size), -1)) if size else entries
         before = np.concatenate([[-1], last[:-1]]) if size else entries
-        first_of_rank = np.searchsorted(entry_rank, entry_rank)  # entries are rank by rank
+        rank_start = _rank_bounds(job, entry_rank)  # entries are rank by rank
+        first_of_rank = np.repeat(rank_start[:-1], np.diff(rank_start))
         prev_node = np.where(before >= first_of_rank, node_of_entry[np.maximum(before, 0)], zero)
         issued = prev_node[a["group_entry"]]  # per group: the node whose end is its issue time
         data_op = ~group_meta[op_group] if stream else np.zeros(op_group.size, dtype=bool)
@@ -307,11 +305,10 @@ class _Plan:
         kept = flat >= 0
         flat, flat_rank = flat[kept], flat_rank[kept]
         bounds = _rank_bounds(job, flat_rank)
-        self.program_arrays = [flat[bounds[k]:bounds[k + 1]] for k in range(len(job.ranks))]
-        self.programs = [program.tolist() for program in self.program_arrays]
+        self.programs = [flat[bounds[k]:bounds[k + 1]].tolist() for k in range(len(job.ranks))]
         self.side = side
         self.deps, self.adds = slots.lists()
-        self.durations = np.concatenate([durations, np.zeros(n_wait + n_data)]).tolist()
+        self.durations = job.durations + [0.0] * (n_wait + n_data)
         self.prev_node, self.node_of_entry, self.issued, self.active = prev_node, node_of_entry, issued, active
         self.data_op, self.n_data, self.data_groups = data_op, n_data, data_groups
         return True
@@ -381,23 +378,18 @@ class _Plan:
             ops[data] = np.maximum(at, at[op_other])[data] + op_time[data]
         return ops
 
-    def busy(self, times: np.ndarray, starts: list[float]) -> dict:
-        """Per rank: ``sum(end - start)`` of its compute steps in program order (as `simulate` sums
-        a timeline: the same floats, subtracted and added in the same order)."""
-        start = np.asarray(starts, dtype=np.float64)
-        count = start.size
-        busy = {}
-        for k, rank in enumerate(self.job.ranks):
-            program = self.program_arrays[k]
-            mine = program[program < count]
-            busy[rank] = sum(map(sub, times[mine].tolist(), start[mine].tolist()))
-        return busy
-
-    def finish(self, times: np.ndarray, clock_of: dict) -> dict:
+    def finish(self, time: list[float], clock_of: dict) -> dict:
         """When each rank is done: its clock, or the last of its data operations to complete."""
         job, a = self.job, self.job.arrays
-        data = np.flatnonzero(~a["group_meta"][a["op_group"]])
-        ends = self._op_times(times)[data]
+        op_group, op_other = a["op_group"], a["op_other"]
+        data = np.flatnonzero(~a["group_meta"][op_group])
+        if self.n_data:  # the stream model: as in `_op_times`, from the A(g) times alone
+            side = self.side
+            active = np.asarray(time[side:side + self.n_data], dtype=np.float64)
+            mine, theirs = active[self.active[op_group[data]] - side], active[self.active[op_group[op_other[data]]] - side]
+            ends = np.maximum(mine, theirs) + a["op_time"][data]
+        else:
+            ends = self._op_times(np.asarray(time, dtype=np.float64))[data]
         bounds = _rank_bounds(job, a["op_rank"][data])
         finish = {}
         for k, rank in enumerate(job.ranks):
