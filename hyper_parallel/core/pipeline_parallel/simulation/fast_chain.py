@@ -43,21 +43,47 @@ import numpy as np
 
 from hyper_parallel.core.pipeline_parallel.simulation.fast_general import FastRun
 from hyper_parallel.core.pipeline_parallel.simulation.fast_job import CompiledJob
+from hyper_parallel.core.pipeline_parallel.simulation.fast_lanes import run_lanes
 from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import RecordSource
 from hyper_parallel.core.pipeline_parallel.simulation.timed_model import TimedOutcome
 
-_SLOTS = 6
+_SLOTS = 6  # inputs per node, node by node (written out in `_run_nodes`)
+_LANE_SLOTS = 16  # inputs per node, lanes together (`fast_lanes.py`: a column each)
+LANES_MIN_NODES = 20_000
+"""`run_chain` runs the lanes together (`fast_lanes.py`) from this many nodes on, and where the nodes
+are at least `LANES_MIN_WIDTH` times as many as the longest lane has (a round then does the work of
+that many node visits)."""
+LANES_MIN_WIDTH = 24
 
 
 def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: bool = False,
-              timelines: bool = True) -> TimedOutcome | None:
+              timelines: bool = True, lanes: bool | None = None) -> TimedOutcome | None:
     """The timed run of a compiled job (see the module docstring), or None. The outcome's ``busy``
     (rank -> the sum of its steps' lengths, in order, as `simulate` adds them) says what the
     timelines sum to; without ``timelines`` the ``compute`` lists stay empty and records cannot be
-    made."""
-    plan = _Plan.make(job, wait_at_post, stream)
+    made. ``lanes``: run all chains together with numpy (``fast_lanes.py``); None: where that is
+    cheaper (many ranks)."""
+    plan = _Plan.make(job, wait_at_post, stream, lanes)
     if plan is None:
         return None
+    ran = plan.run_lanes(timelines) if plan.lanes else _run_nodes(plan, timelines)
+    if ran is None:
+        return None  # stuck: the general run (and then the exact model) will say where
+    time, compute, busy, clock_of = ran
+    finish = plan.finish(time, dict(zip(job.ranks, clock_of)))
+    if not timelines:
+        outcome = TimedOutcome(compute, [], finish, {})
+    else:
+        kept = {rank: list(steps) for rank, steps in compute.items()}  # the caller may change the lists it gets
+        source = RecordSource(lambda: plan.records(num_stages, np.asarray(time, dtype=np.float64), kept))
+        outcome = TimedOutcome(compute, source, finish, {})  # type: ignore[arg-type]
+    outcome.busy = busy  # what `simulate` adds up from a timeline: sum(end - start) in order, the same floats
+    return outcome
+
+
+def _run_nodes(plan: _Plan, timelines: bool) -> tuple[list, dict, dict, list] | None:
+    """The chains run node by node: (times, timelines, busy, clock per rank), or None if stuck."""
+    job = plan.job
     count = len(job.steps)
     nodes = len(plan.durations)
     time: list[float | None] = [None] * (nodes + 1)
@@ -161,25 +187,16 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
             else:
                 waiters.append(chain)
     if any(cursor[chain] < len(programs[chain]) for chain in range(chains)):
-        return None  # stuck: the general run (and then the exact model) will say where
-    compute = dict(zip(job.ranks, timelines_of))
-    finish = plan.finish(time, dict(zip(job.ranks, clock_of)))
-    if not timelines:
-        outcome = TimedOutcome(compute, [], finish, {})
-    else:
-        kept = {rank: list(steps) for rank, steps in compute.items()}  # the caller may change the lists it gets
-        source = RecordSource(lambda: plan.records(num_stages, np.asarray(time, dtype=np.float64), kept))
-        outcome = TimedOutcome(compute, source, finish, {})  # type: ignore[arg-type]
-    # what `simulate` adds up from a timeline: sum(end - start) in order, the same floats
-    outcome.busy = {rank: sum(spans) for rank, spans in zip(job.ranks, spans_of)}
-    return outcome
+        return None
+    busy = {rank: sum(spans) for rank, spans in zip(job.ranks, spans_of)}
+    return time, dict(zip(job.ranks, timelines_of)), busy, clock_of
 
 
 class _Slots:
     """The inputs ``(cell, add)`` of every node by slot: a node's next input takes its next free slot."""
 
-    def __init__(self, nodes: int) -> None:
-        self.nodes = nodes
+    def __init__(self, nodes: int, limit: int) -> None:
+        self.nodes, self.limit = nodes, limit
         self.dep: list[np.ndarray] = []  # per slot: the cell of each node (-1: none)
         self.add: list[np.ndarray] = []
         self.filled = np.zeros(nodes, dtype=np.int64)  # per node: the slots taken
@@ -197,18 +214,18 @@ class _Slots:
             self.filled[node[start]] += length
         else:
             self.filled[node] += 1
-        lowest, highest = int(slot.min()), int(slot.max())
-        while len(self.dep) <= min(highest, _SLOTS - 1):
+        lowest, highest = int(slot.min()), min(int(slot.max()), self.limit - 1)
+        while len(self.dep) <= highest:
             self.dep.append(np.full(self.nodes, -1, dtype=np.int64))
             self.add.append(np.zeros(self.nodes, dtype=np.float64))
-        for j in range(lowest, min(highest, _SLOTS - 1) + 1):
+        for j in range(lowest, highest + 1):
             at = slice(None) if lowest == highest else slot == j
             self.dep[j][node[at]] = cell[at]
             self.add[j][node[at]] = add[at]
 
     def fits(self) -> bool:
         """No node has more inputs than the run has slots."""
-        return not self.filled.size or int(self.filled.max()) <= _SLOTS
+        return not self.filled.size or int(self.filled.max()) <= self.limit
 
     def lists(self) -> tuple[list[list[int]], list[list[float]]]:
         """The slots as the lists the run reads: a slot few nodes use is filled in item by item."""
@@ -242,13 +259,14 @@ def _rank_bounds(job: CompiledJob, ranks_of: np.ndarray) -> np.ndarray:
 class _Plan:
     """The nodes, their inputs and the chains of a compiled job."""
 
-    def __init__(self, job: CompiledJob, stream: bool) -> None:
+    def __init__(self, job: CompiledJob, stream: bool, lanes: bool | None) -> None:
         self.job = job
         self.stream = stream
+        self.lanes = lanes
 
     @classmethod
-    def make(cls, job: CompiledJob, wait_at_post: bool, stream: bool) -> _Plan | None:
-        plan = cls(job, stream)
+    def make(cls, job: CompiledJob, wait_at_post: bool, stream: bool, lanes: bool | None = None) -> _Plan | None:
+        plan = cls(job, stream, lanes)
         return plan if plan._build(wait_at_post) else None
 
     def _build(self, wait_at_post: bool) -> bool:
@@ -286,7 +304,11 @@ class _Plan:
         issued = prev_node[a["group_entry"]]  # per group: the node whose end is its issue time
         data_op = ~group_meta[op_group] if stream else np.zeros(op_group.size, dtype=bool)
 
-        slots = _Slots(nodes)
+        if self.lanes is None:  # the longest lane: a rank's clocked nodes, or its A(g) (counted apart)
+            longest = max(np.diff(_rank_bounds(job, entry_rank[node_of_entry >= 0])).max(initial=0),
+                          np.diff(_rank_bounds(job, a["group_rank"][data_groups])).max(initial=0))
+            self.lanes = nodes >= LANES_MIN_NODES and nodes >= LANES_MIN_WIDTH * longest
+        slots = _Slots(nodes, _LANE_SLOTS if self.lanes else _SLOTS)
         if groups == 0:  # compute steps only: their inputs are the compiled ones, one per slot
             for slot in range(a["deps"].shape[0]):
                 cells = a["deps"][slot]
@@ -295,6 +317,19 @@ class _Plan:
         elif not self._inputs(slots, count, waits, group_node, active, issued, data_op, data_groups, n_data, groups):
             return False
 
+        self.side, self.durations_array = side, np.concatenate([a["durations"], np.zeros(n_wait + n_data)])
+        self.prev_node, self.node_of_entry, self.issued, self.active = prev_node, node_of_entry, issued, active
+        self.data_op, self.n_data, self.data_groups = data_op, n_data, data_groups
+        if self.lanes:  # each rank's clocked nodes, then each rank's A(g): lanes of their own
+            self.dep = np.stack(slots.dep, axis=1) if slots.dep else np.empty((nodes, 0), dtype=np.int64)
+            self.add = np.stack(slots.add, axis=1) if slots.add else np.empty((nodes, 0), dtype=np.float64)
+            clocked = node_of_entry >= 0
+            self.lane_nodes = np.concatenate([node_of_entry[clocked], active[data_groups]])
+            self.lane_start = _rank_bounds(job, entry_rank[clocked])
+            if n_data:
+                self.lane_start = np.concatenate([self.lane_start, self.lane_start[-1] +
+                                                  _rank_bounds(job, a["group_rank"][data_groups])[1:]])
+            return True
         if n_data:  # a data group's A(g) sits at the group's place, before its wait (if it waits)
             table = np.full((size, 2), -1, dtype=np.int64)
             table[a["group_entry"][data_groups], 0] = active[data_groups]
@@ -306,11 +341,8 @@ class _Plan:
         flat, flat_rank = flat[kept], flat_rank[kept]
         bounds = _rank_bounds(job, flat_rank)
         self.programs = [flat[bounds[k]:bounds[k + 1]].tolist() for k in range(len(job.ranks))]
-        self.side = side
         self.deps, self.adds = slots.lists()
         self.durations = job.durations + [0.0] * (n_wait + n_data)
-        self.prev_node, self.node_of_entry, self.issued, self.active = prev_node, node_of_entry, issued, active
-        self.data_op, self.n_data, self.data_groups = data_op, n_data, data_groups
         return True
 
     def _inputs(self, slots: _Slots, count: int, waits: np.ndarray, group_node: np.ndarray, active: np.ndarray,
@@ -359,11 +391,32 @@ class _Plan:
             same = rank_of[1:] == rank_of[:-1]
             after[data_groups[:-1][same]] = data_groups[1:][same]
             previous = data_groups[:-1][same]
+            if self.lanes:  # A(g) in a lane of its own: issued(g) is an input, not its clock
+                put(active[data_groups], issued[data_groups], np.zeros(n_data))
             put(active[after[previous]], active[previous], largest[previous])
             data_ops = np.flatnonzero(data_op & (after[op_group] >= 0))  # a group's operations side by side
             put(active[after[op_group[data_ops]]], active[op_group[op_other[data_ops]]], op_time[data_ops],
                 runs=True)
         return slots.fits()
+
+    # ------------------------------------------------------------------ the lanes together
+    def run_lanes(self, timelines: bool) -> tuple[np.ndarray, dict, dict, list] | None:
+        """`run_chain` by `fast_lanes.run_lanes`: (times, timelines, busy, clock per rank), or None."""
+        job = self.job
+        ran = run_lanes(self.dep, self.add, self.durations_array, self.lane_nodes, self.lane_start)
+        if ran is None:
+            return None
+        time, start, clock = ran
+        count = len(job.steps)
+        bounds = _rank_bounds(job, job.arrays["rank"]).tolist()  # compute steps are numbered rank by rank
+        busy, compute = {}, {}
+        if timelines:
+            starts, ends, steps = start[:count].tolist(), time[:count].tolist(), job.steps
+        for k, rank in enumerate(job.ranks):
+            lo, hi = bounds[k], bounds[k + 1]
+            compute[rank] = list(zip(starts[lo:hi], ends[lo:hi], steps[lo:hi])) if timelines else []
+            busy[rank] = sum((time[lo:hi] - start[lo:hi]).tolist())  # end - start, added in order
+        return time, compute, busy, clock[:len(job.ranks)].tolist()
 
     # ------------------------------------------------------------------ after the run
     def _op_times(self, times: np.ndarray) -> np.ndarray:
