@@ -39,21 +39,26 @@ the general fast run, which says so in its own way.
 
 from __future__ import annotations
 
+from operator import sub
+
 import numpy as np
 
 from hyper_parallel.core.pipeline_parallel.simulation.fast_general import FastRun
 from hyper_parallel.core.pipeline_parallel.simulation.fast_job import CompiledJob
 from hyper_parallel.core.pipeline_parallel.simulation.fast_lanes import run_lanes
+from hyper_parallel.core.pipeline_parallel.simulation.fast_nodes import run_nodes
 from hyper_parallel.core.pipeline_parallel.simulation.lazy_records import RecordSource
 from hyper_parallel.core.pipeline_parallel.simulation.timed_model import TimedOutcome
 
-_SLOTS = 6  # inputs per node, node by node (written out in `_run_nodes`)
-_LANE_SLOTS = 16  # inputs per node, lanes together (`fast_lanes.py`: a column each)
+_SLOTS = 6  # inputs per node (written out in `fast_nodes.run_nodes`)
+_LANE_SLOTS = 16  # inputs per node in `fast_lanes.run_lanes` (a column each)
 LANES_MIN_NODES = 20_000
 """`run_chain` runs the lanes together (`fast_lanes.py`) from this many nodes on, and where the nodes
 are at least `LANES_MIN_WIDTH` times as many as the longest lane has (a round then does the work of
-that many node visits)."""
-LANES_MIN_WIDTH = 24
+that many node visits); it goes on node by node where the lanes move fewer than `LANES_MIN_RATE`
+nodes a round."""
+LANES_MIN_WIDTH = 32
+LANES_MIN_RATE = 20
 
 
 def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: bool = False,
@@ -66,10 +71,20 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
     plan = _Plan.make(job, wait_at_post, stream, lanes)
     if plan is None:
         return None
-    ran = plan.run_lanes(timelines) if plan.lanes else _run_nodes(plan, timelines)
+    ran = plan.run()
     if ran is None:
         return None  # stuck: the general run (and then the exact model) will say where
-    time, compute, busy, clock_of = ran
+    time, starts, clock_of = ran
+    compute, busy = {}, {}
+    count = len(job.steps)
+    ends, steps = time[:count], job.steps
+    if isinstance(ends, np.ndarray):
+        ends = ends.tolist()
+    bounds = _rank_bounds(job, job.arrays["rank"]).tolist()  # compute steps are numbered rank by rank, in order
+    for k, rank in enumerate(job.ranks):
+        lo, hi = bounds[k], bounds[k + 1]
+        compute[rank] = list(zip(starts[lo:hi], ends[lo:hi], steps[lo:hi])) if timelines else []
+        busy[rank] = sum(map(sub, ends[lo:hi], starts[lo:hi]))  # as `simulate` sums a timeline: the same floats
     finish = plan.finish(time, dict(zip(job.ranks, clock_of)))
     if not timelines:
         outcome = TimedOutcome(compute, [], finish, {})
@@ -77,119 +92,8 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
         kept = {rank: list(steps) for rank, steps in compute.items()}  # the caller may change the lists it gets
         source = RecordSource(lambda: plan.records(num_stages, np.asarray(time, dtype=np.float64), kept))
         outcome = TimedOutcome(compute, source, finish, {})  # type: ignore[arg-type]
-    outcome.busy = busy  # what `simulate` adds up from a timeline: sum(end - start) in order, the same floats
+    outcome.busy = busy
     return outcome
-
-
-def _run_nodes(plan: _Plan, timelines: bool) -> tuple[list, dict, dict, list] | None:
-    """The chains run node by node: (times, timelines, busy, clock per rank), or None if stuck."""
-    job = plan.job
-    count = len(job.steps)
-    nodes = len(plan.durations)
-    time: list[float | None] = [None] * (nodes + 1)
-    time[nodes] = 0.0  # the clock before a chain's first node
-    steps = job.steps
-    programs = plan.programs  # chain c: rank c's nodes
-    chains = len(programs)
-    timelines_of: list[list] = [[] for _ in job.ranks]
-    clock_of = [0.0] * chains
-    cursor = [0] * chains
-    waiting: list[list[int] | None] = [None] * (nodes + 1)  # node -> the chains waiting for it
-    ready_chains = list(range(chains - 1, -1, -1))
-    dep_a, dep_b, dep_c, dep_d, dep_e, dep_f = plan.deps
-    add_a, add_b, add_c, add_d, add_e, add_f = plan.adds
-    durations, side = plan.durations, plan.side
-    spans_of: list[list[float]] = [[] for _ in job.ranks]  # per chain: its compute steps' lengths, in order
-    while ready_chains:
-        chain = ready_chains.pop()
-        program = programs[chain]
-        timeline, spans = timelines_of[chain], spans_of[chain]
-        index, clock = cursor[chain], clock_of[chain]
-        wait = -1
-        for index in range(index, len(program)):  # a for loop: cheaper per node than counting by hand
-            # the six input slots are written out one inside the other, not looped over: this loop
-            # runs once per node (millions at p = 64, m = 1024) and a loop over slots costs ~2x here
-            k = program[index]
-            ready = clock
-            cell = dep_a[k]
-            if cell >= 0:
-                at = time[cell]
-                if at is None:
-                    wait = cell
-                    break
-                at += add_a[k]
-                if at > ready:
-                    ready = at
-                cell = dep_b[k]
-                if cell >= 0:
-                    at = time[cell]
-                    if at is None:
-                        wait = cell
-                        break
-                    at += add_b[k]
-                    if at > ready:
-                        ready = at
-                    cell = dep_c[k]
-                    if cell >= 0:
-                        at = time[cell]
-                        if at is None:
-                            wait = cell
-                            break
-                        at += add_c[k]
-                        if at > ready:
-                            ready = at
-                        cell = dep_d[k]
-                        if cell >= 0:
-                            at = time[cell]
-                            if at is None:
-                                wait = cell
-                                break
-                            at += add_d[k]
-                            if at > ready:
-                                ready = at
-                            cell = dep_e[k]
-                            if cell >= 0:
-                                at = time[cell]
-                                if at is None:
-                                    wait = cell
-                                    break
-                                at += add_e[k]
-                                if at > ready:
-                                    ready = at
-                                cell = dep_f[k]
-                                if cell >= 0:
-                                    at = time[cell]
-                                    if at is None:
-                                        wait = cell
-                                        break
-                                    at += add_f[k]
-                                    if at > ready:
-                                        ready = at
-            end = ready + durations[k]
-            time[k] = end
-            woken = waiting[k]
-            if woken is not None:
-                ready_chains.extend(woken)
-            if k < count:
-                if timelines:
-                    timeline.append((ready, end, steps[k]))
-                spans.append(end - ready)
-                clock = end
-            elif k < side:
-                clock = end
-        else:
-            index = len(program)  # done (also when the loop had nothing left to run)
-        cursor[chain], clock_of[chain] = index, clock
-        if wait >= 0:
-            waiters = waiting[wait]
-            if waiters is None:
-                waiting[wait] = [chain]
-            else:
-                waiters.append(chain)
-    if any(cursor[chain] < len(programs[chain]) for chain in range(chains)):
-        return None
-    busy = {rank: sum(spans) for rank, spans in zip(job.ranks, spans_of)}
-    return time, dict(zip(job.ranks, timelines_of)), busy, clock_of
 
 
 class _Slots:
@@ -251,6 +155,21 @@ class _Slots:
         return deps, adds
 
 
+def _columns(array: np.ndarray, fill: float, rows: np.ndarray | None) -> list[list]:
+    """Each column of a 2-d array as a list; with ``rows``, only those rows are filled in (``fill``
+    elsewhere: cheaper where they are few)."""
+    if rows is None:
+        return [array[:, j].tolist() for j in range(array.shape[1])]
+    at = rows.tolist()
+    columns = []
+    for j in range(array.shape[1]):
+        column = [fill] * array.shape[0]
+        for k, value in zip(at, array[rows, j].tolist()):
+            column[k] = value
+        columns.append(column)
+    return columns
+
+
 def _rank_bounds(job: CompiledJob, ranks_of: np.ndarray) -> np.ndarray:
     """Where each rank's part begins (and the last one ends) in an array ordered rank by rank."""
     return np.searchsorted(ranks_of, job.ranks + [job.ranks[-1] + 1] if job.ranks else [])
@@ -263,11 +182,17 @@ class _Plan:
         self.job = job
         self.stream = stream
         self.lanes = lanes
+        self.too_wide = False  # a node has more inputs than the run takes
 
     @classmethod
     def make(cls, job: CompiledJob, wait_at_post: bool, stream: bool, lanes: bool | None = None) -> _Plan | None:
         plan = cls(job, stream, lanes)
-        return plan if plan._build(wait_at_post) else None
+        plan.wait_at_post = wait_at_post
+        if plan._build(wait_at_post):
+            return plan
+        if plan.lanes and plan.too_wide and lanes is None:  # still worth a try node by node
+            return cls.make(job, wait_at_post, stream, False)
+        return None
 
     def _build(self, wait_at_post: bool) -> bool:
         job, a, stream = self.job, self.job.arrays, self.stream
@@ -316,8 +241,12 @@ class _Plan:
                 slots.add.append(a["adds"][slot])
         elif not self._inputs(slots, count, waits, group_node, active, issued, data_op, data_groups, n_data, groups):
             return False
+        if not slots.fits():
+            self.too_wide = True
+            return False
 
-        self.side, self.durations_array = side, np.concatenate([a["durations"], np.zeros(n_wait + n_data)])
+        self.nodes, self.side = nodes, side
+        self.durations_array = np.concatenate([a["durations"], np.zeros(n_wait + n_data)])
         self.prev_node, self.node_of_entry, self.issued, self.active = prev_node, node_of_entry, issued, active
         self.data_op, self.n_data, self.data_groups = data_op, n_data, data_groups
         if self.lanes:  # each rank's clocked nodes, then each rank's A(g): lanes of their own
@@ -397,26 +326,49 @@ class _Plan:
             data_ops = np.flatnonzero(data_op & (after[op_group] >= 0))  # a group's operations side by side
             put(active[after[op_group[data_ops]]], active[op_group[op_other[data_ops]]], op_time[data_ops],
                 runs=True)
-        return slots.fits()
+        return True
 
-    # ------------------------------------------------------------------ the lanes together
-    def run_lanes(self, timelines: bool) -> tuple[np.ndarray, dict, dict, list] | None:
-        """`run_chain` by `fast_lanes.run_lanes`: (times, timelines, busy, clock per rank), or None."""
+    # ------------------------------------------------------------------ the run
+    def run(self) -> tuple[list | np.ndarray, list, list] | None:
+        """Every node's time (then the 0.0 cell), every compute step's start, each rank's clock at
+        its end; None where a chain waits for what never comes."""
         job = self.job
-        ran = run_lanes(self.dep, self.add, self.durations_array, self.lane_nodes, self.lane_start)
+        count, ranks = len(job.steps), len(job.ranks)
+        if not self.lanes:
+            time: list = [None] * (self.nodes + 1)
+            time[self.nodes] = 0.0
+            starts, clock_of = [0.0] * count, [0.0] * ranks
+            done = run_nodes(self.programs, self.deps, self.adds, self.durations, self.side, count, time, starts,
+                             [0] * ranks, clock_of)
+            return (time, starts, clock_of) if done else None
+        ran = run_lanes(self.dep, self.add, self.durations_array, self.lane_nodes, self.lane_start, LANES_MIN_RATE)
         if ran is None:
             return None
-        time, start, clock = ran
-        count = len(job.steps)
-        bounds = _rank_bounds(job, job.arrays["rank"]).tolist()  # compute steps are numbered rank by rank
-        busy, compute = {}, {}
-        if timelines:
-            starts, ends, steps = start[:count].tolist(), time[:count].tolist(), job.steps
-        for k, rank in enumerate(job.ranks):
-            lo, hi = bounds[k], bounds[k + 1]
-            compute[rank] = list(zip(starts[lo:hi], ends[lo:hi], steps[lo:hi])) if timelines else []
-            busy[rank] = sum((time[lo:hi] - start[lo:hi]).tolist())  # end - start, added in order
-        return time, compute, busy, clock[:len(job.ranks)].tolist()
+        times, start, clock, cursor = ran
+        if cursor is None:
+            return times, start[:count].tolist(), clock[:ranks].tolist()
+        if self.dep.shape[1] > _SLOTS:  # too many inputs to go on node by node: start again that way,
+            plan = _Plan.make(job, self.wait_at_post, self.stream, False)  # the nodes numbered alike
+            if plan is not None:
+                return plan.run()
+            ran = run_lanes(self.dep, self.add, self.durations_array, self.lane_nodes, self.lane_start, 0.0, ran)
+            return None if ran is None else (ran[0], ran[1][:count].tolist(), ran[2][:ranks].tolist())  # or on
+        # the lanes stopped moving together: on node by node from where they are, every node moving its lane's clock
+        nodes, slots = self.dep.shape
+        left = np.flatnonzero(np.isinf(times[:nodes]))  # the nodes not run yet
+        time = times.tolist()
+        for k in left.tolist():
+            time[k] = None
+        rows = left if left.size * 8 < nodes else None  # few left: the lists hold only theirs
+        deps = _columns(self.dep, -1, rows) + [[-1] * nodes] * (_SLOTS - slots)
+        adds = _columns(self.add, 0.0, rows) + [[0.0] * nodes] * (_SLOTS - slots)
+        durations = _columns(self.durations_array[:, None], 0.0, rows)[0]
+        first, end = (self.lane_start[:-1] + cursor).tolist(), self.lane_start[1:].tolist()
+        programs = [self.lane_nodes[a:b].tolist() for a, b in zip(first, end)]  # what is left of each lane
+        starts, clock_of = start[:count].tolist(), clock.tolist()
+        if not run_nodes(programs, deps, adds, durations, nodes, count, time, starts, [0] * cursor.size, clock_of):
+            return None
+        return time, starts, clock_of[:ranks]
 
     # ------------------------------------------------------------------ after the run
     def _op_times(self, times: np.ndarray) -> np.ndarray:

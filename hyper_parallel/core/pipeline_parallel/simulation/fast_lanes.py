@@ -20,10 +20,16 @@ from __future__ import annotations
 
 import numpy as np
 
+_WINDOW = 128  # rounds between two looks at how many nodes the lanes move
 
-def run_lanes(dep: np.ndarray, add: np.ndarray, durations: np.ndarray, lanes: np.ndarray,
-              lane_start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """Run every lane to its end; ``(time, start, clock)`` or None (see the module docstring).
+
+def run_lanes(dep: np.ndarray, add: np.ndarray, durations: np.ndarray, lanes: np.ndarray, lane_start: np.ndarray,
+              min_rate: float = 0.0, state: tuple | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """Run every lane to its end; ``(time, start, clock, None)`` or None (see the module docstring);
+    where the lanes move fewer than ``min_rate`` nodes a round (over a window of rounds), stop:
+    ``(time, start, clock, cursor)`` with each lane's next node (a time not known yet is ``inf``),
+    the ``state`` to go on from.
 
     ``dep[node, slot]``: an input's cell (a node, ``nodes`` for the time 0.0; -1: none) and
     ``add[node, slot]`` what it adds; ``lanes``: the nodes of every lane, lane after lane, lane ``j``
@@ -50,7 +56,11 @@ def run_lanes(dep: np.ndarray, add: np.ndarray, durations: np.ndarray, lanes: np
     time[zero] = 0.0
     start = np.zeros(nodes + 2, dtype=np.float64)
     clock = np.zeros(count, dtype=np.float64)
+    if state is not None:
+        time[:nodes + 1], start[:nodes], clock[:], cursor = state
+        position += cursor
     take, maximum, copyto = np.take, np.maximum, np.copyto
+    rounds, window, moved_before = 0, _WINDOW, int(position.sum())
     while True:
         node = take(program, position)
         ready = take(time, take(cells, node, axis=0))
@@ -65,6 +75,13 @@ def run_lanes(dep: np.ndarray, add: np.ndarray, durations: np.ndarray, lanes: np
         start[node] = ready
         copyto(clock, end, where=moved)
         position += moved
+        rounds += 1
+        if rounds == window:  # how many nodes the lanes moved in the last rounds (not the first ones: lanes start late)
+            moved_now = int(position.sum())
+            if window > _WINDOW and moved_now - moved_before < min_rate * _WINDOW:
+                return time[:nodes + 1], start[:nodes], clock, position - (lane_start[:-1] + np.arange(count))
+            window += _WINDOW
+            moved_before = moved_now
     if np.any(take(program, position) != never):
         return None  # a lane waits for what never comes (or a time overflowed): the general run says where
-    return time[:nodes + 1], start[:nodes], clock
+    return time[:nodes + 1], start[:nodes], clock, None
