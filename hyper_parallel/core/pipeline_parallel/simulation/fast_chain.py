@@ -1,5 +1,5 @@
-"""The timed model of ``timed_model.py`` as chains of *nodes*, one per rank: the same floats as
-the general fast run (``fast_timed.py``), with fewer steps visited.
+"""The timed model of ``timed_model.py`` as chains of *nodes*: the same floats as the general fast
+run (``fast_timed.py``), with fewer steps visited.
 
 A rank's clock only moves at compute steps and at the communication steps that wait for their
 receives (metadata, or ``wait_at_post``); every duration and message time is >= 0, so the clock
@@ -18,23 +18,33 @@ duration`` (0.0 for a waiting communication step: ``x + 0.0`` is ``x``), the inp
   its rank))``, an operation completes at ``max(A(g), A(other group)) + t`` = ``max(A(g) + t,
   A(other) + t)`` (rounding is monotone), and the group completes at ``C(g)``, the largest of
   those: ``max(A(g) + T(g), A(other) + t, ...)`` with ``T(g)`` its largest message time. So
-  ``A(g)`` is the maximum of ``issued(g)`` and the operands of ``C(previous)``: ``A(g)`` is a node
-  of the rank's chain at the group's place (``issued(g)`` is the clock there) whose inputs are
-  ``A(previous) + T(previous)`` and ``A(other) + t`` for each operation of the previous group;
-  unlike the other nodes it leaves the clock as it was (a *side* node). ``C`` needs no node. A
-  step that consumes a receive takes ``A(g) + t`` and ``A(other) + t`` as inputs.
+  ``A(g)`` is the maximum of ``issued(g)`` and the operands of ``C(previous)``: a node whose
+  inputs are ``A(previous) + T(previous)`` and ``A(other) + t`` for each operation of the previous
+  group (``C`` needs no node). A step that consumes a receive takes ``A(g) + t`` and ``A(other) +
+  t`` as inputs.
 
-  A step after ``g`` on its rank now runs after ``A(g)``, which the exact model does not ask
-  for: where that makes the chains wait for each other (a rank's data reaches its partner only
-  through its stream, behind ``C(previous)``, so only metadata, sent outside the streams, could
-  make such a wait) the run does not finish and the general run takes over.
+Two runs give the nodes their times, with the same floats:
+
+- node by node (``fast_nodes.py``), one chain per rank, visited until it waits for another: there
+  ``A(g)`` sits in its rank's chain at the group's place (``issued(g)`` is the clock there) and
+  leaves the clock as it was (a *side* node). A step after ``g`` on its rank so runs after
+  ``A(g)``, which the exact model does not ask for: where that makes the chains wait for each
+  other (a rank's data reaches its partner only through its stream, behind ``C(previous)``, so
+  only metadata, sent outside the streams, could make such a wait) the run does not finish and
+  the general run takes over;
+- for a large job over many ranks, every chain at once with numpy (``fast_lanes.py``), one node
+  of each *lane* per round: a rank's clocked nodes form a lane, and its ``A(g)`` a second one,
+  ``issued(g)`` an input (that lane's clock, the previous ``A``, is below its input ``A(previous)
+  + T(previous)`` and changes no maximum). Where the lanes move too few nodes a round (ranks that
+  wait on each other in turn) the run goes on node by node from there.
 
 Every time is so computed by the same additions and maxima of the same operands as in the
 exact model. The times of the operations (for the trace records and finish times) follow from
-the node times with numpy. `run_chain` returns None where that reasoning does not hold (a
-negative or non-finite duration or message time, a receive posted after the step that consumes
-it, more than six inputs to one node) or where the run does not finish: the caller then uses
-the general fast run, which says so in its own way.
+the node times with numpy, and so do the timelines (a compute step starts at its maximum above)
+and the busy times. `run_chain` returns None where that reasoning does not hold (a negative or
+non-finite duration or message time, a receive posted after the step that consumes it, more
+inputs to one node than a run takes) or where the run does not finish: the caller then uses the
+general fast run, which says so in its own way.
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ that many node visits); it goes on node by node where the lanes move fewer than 
 nodes a round."""
 LANES_MIN_WIDTH = 32
 LANES_MIN_RATE = 20
+_FEW_LEFT = 8  # going on node by node with fewer than 1/8 of the nodes left: lists filled item by item
 
 
 def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: bool = False,
@@ -352,14 +363,14 @@ class _Plan:
             if plan is not None:
                 return plan.run()
             ran = run_lanes(self.dep, self.add, self.durations_array, self.lane_nodes, self.lane_start, 0.0, ran)
-            return None if ran is None else (ran[0], ran[1][:count].tolist(), ran[2][:ranks].tolist())  # or on
+            return None if ran is None else (ran[0], ran[1][:count].tolist(), ran[2][:ranks].tolist())  # or all in lanes
         # the lanes stopped moving together: on node by node from where they are, every node moving its lane's clock
         nodes, slots = self.dep.shape
         left = np.flatnonzero(np.isinf(times[:nodes]))  # the nodes not run yet
         time = times.tolist()
         for k in left.tolist():
             time[k] = None
-        rows = left if left.size * 8 < nodes else None  # few left: the lists hold only theirs
+        rows = left if left.size * _FEW_LEFT < nodes else None  # few left: the lists hold only theirs
         deps = _columns(self.dep, -1, rows) + [[-1] * nodes] * (_SLOTS - slots)
         adds = _columns(self.add, 0.0, rows) + [[0.0] * nodes] * (_SLOTS - slots)
         durations = _columns(self.durations_array[:, None], 0.0, rows)[0]
