@@ -108,12 +108,15 @@ def run_chain(job: CompiledJob, num_stages: int, wait_at_post: bool, stream: boo
 
 
 class _Slots:
-    """The inputs ``(cell, add)`` of every node by slot: a node's next input takes its next free slot."""
+    """The inputs ``(cell, add)`` of every node, a row each (a node's next input takes its next free
+    slot, a column), then a row for the cell of 0.0 and one for a node that never runs (the lanes'
+    ends); no input: the cell ``none``, adding 0.0."""
 
-    def __init__(self, nodes: int, limit: int) -> None:
-        self.nodes, self.limit = nodes, limit
-        self.dep: list[np.ndarray] = []  # per slot: the cell of each node (-1: none)
-        self.add: list[np.ndarray] = []
+    def __init__(self, nodes: int, limit: int, none: int, width: int) -> None:
+        self.nodes, self.limit, self.none = nodes, limit, none
+        self.width = 0  # the slots used
+        self.cell = np.full((nodes + 2, min(width, limit)), none, dtype=np.int64)
+        self.add = np.zeros(self.cell.shape, dtype=np.float64)
         self.filled = np.zeros(nodes, dtype=np.int64)  # per node: the slots taken
 
     def put(self, node: np.ndarray, cell: np.ndarray, add: np.ndarray, runs: bool = False) -> None:
@@ -130,29 +133,31 @@ class _Slots:
         else:
             self.filled[node] += 1
         lowest, highest = int(slot.min()), min(int(slot.max()), self.limit - 1)
-        while len(self.dep) <= highest:
-            self.dep.append(np.full(self.nodes, -1, dtype=np.int64))
-            self.add.append(np.zeros(self.nodes, dtype=np.float64))
+        if highest >= self.cell.shape[1]:  # wider: a copy (rare, the first width fits most jobs)
+            width = min(max(highest + 1, 2 * self.cell.shape[1]), self.limit)
+            cells, adds = np.full((self.nodes + 2, width), self.none, dtype=np.int64), np.zeros((self.nodes + 2, width))
+            cells[:, :self.cell.shape[1]], adds[:, :self.add.shape[1]] = self.cell, self.add
+            self.cell, self.add = cells, adds
+        self.width = max(self.width, highest + 1)
         for j in range(lowest, highest + 1):
             at = slice(None) if lowest == highest else slot == j
-            self.dep[j][node[at]] = cell[at]
-            self.add[j][node[at]] = add[at]
+            self.cell[node[at], j] = cell[at]
+            self.add[node[at], j] = add[at]
 
     def fits(self) -> bool:
         """No node has more inputs than the run has slots."""
         return not self.filled.size or int(self.filled.max()) <= self.limit
 
     def lists(self) -> tuple[list[list[int]], list[list[float]]]:
-        """The slots as the lists the run reads: a slot few nodes use is filled in item by item."""
+        """The slots as the lists the node-by-node run reads: a slot few nodes use is filled in item
+        by item."""
         nodes = self.nodes
         none, zeros = [-1] * nodes, [0.0] * nodes  # the slots no node uses: read, never written
         deps, adds = [], []
-        for dep, add in zip(self.dep, self.add):
+        for j in range(self.width):
+            dep, add = self.cell[:nodes, j], self.add[:nodes, j]
             used = np.flatnonzero(dep >= 0)
-            if used.size == 0:
-                deps.append(none)
-                adds.append(zeros)
-            elif used.size * 16 < nodes:
+            if used.size * 16 < nodes:
                 dep_list, add_list = list(none), list(zeros)
                 for k, cell, value in zip(used.tolist(), dep[used].tolist(), add[used].tolist()):
                     dep_list[k], add_list[k] = cell, value
@@ -164,6 +169,13 @@ class _Slots:
         deps += [none] * (_SLOTS - len(deps))
         adds += [zeros] * (_SLOTS - len(adds))
         return deps, adds
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The slots used as the lanes read them (`fast_lanes.run_lanes`)."""
+        width = max(self.width, 1)
+        cell, add = self.cell[:, :width], self.add[:, :width]
+        cell[self.nodes], cell[self.nodes + 1] = self.nodes, self.nodes + 1
+        return np.ascontiguousarray(cell), np.ascontiguousarray(add)
 
 
 def _columns(array: np.ndarray, fill: float, rows: np.ndarray | None) -> list[list]:
@@ -244,12 +256,15 @@ class _Plan:
             longest = max(np.diff(_rank_bounds(job, entry_rank[node_of_entry >= 0])).max(initial=0),
                           np.diff(_rank_bounds(job, a["group_rank"][data_groups])).max(initial=0))
             self.lanes = nodes >= LANES_MIN_NODES and nodes >= LANES_MIN_WIDTH * longest
-        slots = _Slots(nodes, _LANE_SLOTS if self.lanes else _SLOTS)
-        if groups == 0:  # compute steps only: their inputs are the compiled ones, one per slot
-            for slot in range(a["deps"].shape[0]):
+        compiled = a["deps"].shape[0]
+        slots = _Slots(nodes, _LANE_SLOTS if self.lanes else _SLOTS, zero if self.lanes else -1,
+                       compiled if groups == 0 else _SLOTS)
+        if groups == 0:  # compute steps only: their inputs are the compiled ones
+            number = np.arange(count, dtype=np.int64)
+            for slot in range(compiled):
                 cells = a["deps"][slot]
-                slots.dep.append(np.where(cells >= 0, cells - job.num_ops, -1))
-                slots.add.append(a["adds"][slot])
+                has = cells >= 0
+                slots.put(number[has], cells[has] - job.num_ops, a["adds"][slot][has])
         elif not self._inputs(slots, count, waits, group_node, active, issued, data_op, data_groups, n_data, groups):
             return False
         if not slots.fits():
@@ -257,12 +272,11 @@ class _Plan:
             return False
 
         self.nodes, self.side = nodes, side
-        self.durations_array = np.concatenate([a["durations"], np.zeros(n_wait + n_data)])
+        self.durations_array = np.concatenate([a["durations"], np.zeros(n_wait + n_data + 2)])  # + the lanes' 2 rows
         self.prev_node, self.node_of_entry, self.issued, self.active = prev_node, node_of_entry, issued, active
         self.data_op, self.n_data, self.data_groups = data_op, n_data, data_groups
         if self.lanes:  # each rank's clocked nodes, then each rank's A(g): lanes of their own
-            self.dep = np.stack(slots.dep, axis=1) if slots.dep else np.empty((nodes, 0), dtype=np.int64)
-            self.add = np.stack(slots.add, axis=1) if slots.add else np.empty((nodes, 0), dtype=np.float64)
+            self.dep, self.add = slots.arrays()
             clocked = node_of_entry >= 0
             self.lane_nodes = np.concatenate([node_of_entry[clocked], active[data_groups]])
             self.lane_start = _rank_bounds(job, entry_rank[clocked])
@@ -365,15 +379,15 @@ class _Plan:
             ran = run_lanes(self.dep, self.add, self.durations_array, self.lane_nodes, self.lane_start, 0.0, ran)
             return None if ran is None else (ran[0], ran[1][:count].tolist(), ran[2][:ranks].tolist())  # or all in lanes
         # the lanes stopped moving together: on node by node from where they are, every node moving its lane's clock
-        nodes, slots = self.dep.shape
+        nodes, slots = self.nodes, self.dep.shape[1]
         left = np.flatnonzero(np.isinf(times[:nodes]))  # the nodes not run yet
         time = times.tolist()
         for k in left.tolist():
             time[k] = None
         rows = left if left.size * _FEW_LEFT < nodes else None  # few left: the lists hold only theirs
-        deps = _columns(self.dep, -1, rows) + [[-1] * nodes] * (_SLOTS - slots)
-        adds = _columns(self.add, 0.0, rows) + [[0.0] * nodes] * (_SLOTS - slots)
-        durations = _columns(self.durations_array[:, None], 0.0, rows)[0]
+        deps = _columns(self.dep[:nodes], -1, rows) + [[-1] * nodes] * (_SLOTS - slots)  # the 0.0 cell
+        adds = _columns(self.add[:nodes], 0.0, rows) + [[0.0] * nodes] * (_SLOTS - slots)  # where none: harmless
+        durations = _columns(self.durations_array[:nodes, None], 0.0, rows)[0]
         first, end = (self.lane_start[:-1] + cursor).tolist(), self.lane_start[1:].tolist()
         programs = [self.lane_nodes[a:b].tolist() for a, b in zip(first, end)]  # what is left of each lane
         starts, clock_of = start[:count].tolist(), clock.tolist()

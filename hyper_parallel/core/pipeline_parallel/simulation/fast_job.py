@@ -59,6 +59,9 @@ _STEP_CODE.update({t: _META if t.is_meta else 5 for t in _MESSAGES})
 assert {t for t, c in _STEP_CODE.items() if c in (5, 6, 8)} == {t for t in _T if t.is_comm}  # lowered = any of them
 assert {t for t, c in _STEP_CODE.items() if c == _META} == {t for t in _T if t.is_meta}
 _PART_CODE = {t: k for k, t in enumerate(_MESSAGES)}  # message part type -> row of the tables below
+_TYPE_INDEX = {t: k for k, t in enumerate(_T)}  # a step's type read once, as a number: its code and row follow
+_CODE_OF_TYPE = np.asarray([_STEP_CODE[t] for t in _T], dtype=np.int8)
+_ROW_OF_TYPE = np.asarray([_PART_CODE.get(t, -1) for t in _T], dtype=np.int64)
 _PART_KIND = np.asarray([_KIND_CODE[kind] for kind, _, _ in _MESSAGES.values()], dtype=np.int64)
 _PART_SHIFT = np.asarray([shift for _, shift, _ in _MESSAGES.values()], dtype=np.int64)
 _PART_SEND = np.asarray([send for _, _, send in _MESSAGES.values()], dtype=bool)
@@ -208,7 +211,8 @@ class _Compiler:
             flat.extend(filter(None, self.schedule[rank]))  # a MetaStep is never falsy
             bounds.append(len(flat))
         total = len(flat)
-        codes = np.fromiter(map(_STEP_CODE.__getitem__, map(_TYPE, flat)), dtype=np.int8, count=total)
+        types = np.fromiter(map(_TYPE_INDEX.__getitem__, map(_TYPE, flat)), dtype=np.int8, count=total)
+        codes = _CODE_OF_TYPE[types]
         rank_of = np.repeat(np.asarray(job.ranks, dtype=np.int64), np.diff(bounds))
         is_compute = codes <= 4
         is_comm = (codes == 5) | (codes == 6) | (codes == _META)
@@ -229,7 +233,7 @@ class _Compiler:
         compute_codes = codes[compute_at].astype(np.int64)
         compute_rank = rank_of[compute_at]
         job.group_steps = list(compress(flat, is_comm.tolist()))
-        self._comms(job, codes, comm_at, rank_of)
+        self._comms(job, codes, types, comm_at, rank_of)
         job.arrays.update(code=compute_codes, rank=compute_rank, entries=entries, entry_rank=rank_of[positions],
                           compute_entry=np.searchsorted(positions, compute_at),
                           group_entry=np.searchsorted(positions, comm_at))
@@ -254,7 +258,8 @@ class _Compiler:
             raise Unsupported
         self.extra_durations[number] = float(self.step_time(step))
 
-    def _comms(self, job: CompiledJob, codes: np.ndarray, comm_at: np.ndarray, rank_of: np.ndarray) -> None:
+    def _comms(self, job: CompiledJob, codes: np.ndarray, types: np.ndarray, comm_at: np.ndarray,
+               rank_of: np.ndarray) -> None:
         """The communication steps: their operations (cells), counterparts, message times."""
         comms = job.group_steps
         comm_codes = codes[comm_at]
@@ -269,16 +274,19 @@ class _Compiler:
         if parts_of is None:
             counts = np.ones(len(comms), dtype=np.int64)
             job.op_steps = parts = list(comms)
+            row = _ROW_OF_TYPE[types[comm_at]]  # their types, read already
         else:
             if None in parts_of:  # a BATCH without sub-steps: no operations
                 parts_of = [() if subs is None else subs for subs in parts_of]
             counts = np.fromiter(map(len, parts_of), dtype=np.int64, count=len(parts_of))
             job.op_steps = parts = list(chain.from_iterable(parts_of))
+            try:
+                row = np.fromiter(map(_PART_CODE.__getitem__, map(_TYPE, parts)), dtype=np.int64, count=len(parts))
+            except KeyError:
+                raise Unsupported from None  # no message: the exact model raises
         ops = len(parts)
-        try:
-            row = np.fromiter(map(_PART_CODE.__getitem__, map(_TYPE, parts)), dtype=np.int64, count=ops)
-        except KeyError:
-            raise Unsupported from None  # no message: the exact model raises
+        if np.any(row < 0):
+            raise Unsupported
         stage = _ints(parts, _STAGE)
         micro = _ints(parts, _MICRO)
         if np.any(stage < 0) or np.any(micro < 0):

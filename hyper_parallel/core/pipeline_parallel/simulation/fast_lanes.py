@@ -23,7 +23,7 @@ import numpy as np
 _WINDOW = 128  # rounds between two looks at how many nodes the lanes move
 
 
-def run_lanes(dep: np.ndarray, add: np.ndarray, durations: np.ndarray, lanes: np.ndarray, lane_start: np.ndarray,
+def run_lanes(cells: np.ndarray, adds: np.ndarray, duration: np.ndarray, lanes: np.ndarray, lane_start: np.ndarray,
               min_rate: float = 0.0, state: tuple | None = None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
     """Run every lane to its end; ``(time, start, clock, None)`` or None (see the module docstring);
@@ -31,21 +31,15 @@ def run_lanes(dep: np.ndarray, add: np.ndarray, durations: np.ndarray, lanes: np
     ``(time, start, clock, cursor)`` with each lane's next node (a time not known yet is ``inf``),
     the ``state`` to go on from.
 
-    ``dep[node, slot]``: an input's cell (a node, ``nodes`` for the time 0.0; -1: none) and
-    ``add[node, slot]`` what it adds; ``lanes``: the nodes of every lane, lane after lane, lane ``j``
-    from ``lane_start[j]`` to ``lane_start[j + 1]``. ``time`` has one entry per node and then the
-    0.0 cell, ``start`` when each node started (the maximum above), ``clock`` each lane's clock at
-    its end."""
-    nodes, slots = dep.shape
-    zero, never = nodes, nodes + 1  # the cell of 0.0, and a node that never runs (ends every lane)
-    cells = np.empty((nodes + 2, max(slots, 1)), dtype=np.int64)
-    cells[:nodes, :slots] = np.where(dep >= 0, dep, zero)  # no input: 0.0 + 0.0, never above the clock
-    cells[:nodes, slots:] = zero
-    cells[zero], cells[never] = zero, never
-    adds = np.zeros(cells.shape, dtype=np.float64)
-    adds[:nodes, :slots] = np.where(dep >= 0, add, 0.0)
-    duration = np.zeros(nodes + 2, dtype=np.float64)
-    duration[:nodes] = durations
+    Row ``k < nodes`` of ``cells`` holds the cells of node ``k``'s inputs (a node; ``nodes``, the
+    cell of 0.0, where it has fewer), ``adds`` what each adds, ``duration[k]`` its duration; then a
+    row for the 0.0 cell and one for ``never``, a node that never runs (ends every lane), each of
+    its own cell. ``lanes``: the nodes of every lane, lane after lane, lane ``j`` from
+    ``lane_start[j]`` to ``lane_start[j + 1]``. ``time`` has one entry per node and then the 0.0
+    cell, ``start`` when each node started (the maximum above), ``clock`` each lane's clock at its
+    end."""
+    nodes = cells.shape[0] - 2
+    zero, never = nodes, nodes + 1
     count = lane_start.size - 1
     length = np.diff(lane_start)
     program = np.full(lanes.size + count, never, dtype=np.int64)  # each lane, then `never`
