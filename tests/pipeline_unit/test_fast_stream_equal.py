@@ -200,3 +200,33 @@ def test_a_large_job_runs_in_lanes_by_default_and_exactly(monkeypatch):
     assert _numbers(fast) == _numbers(exact)
     assert repr(fast.timeline) == repr(exact.timeline)
     assert repr(fast.records[::97]) == repr(exact.records[::97])
+
+
+@pytest.mark.parametrize("shift", [2 ** 52 - 8, 2 ** 52, 2 ** 60, 2 ** 64])
+def test_huge_micro_batch_indices_give_the_exact_result(shift, monkeypatch):
+    """Indices the int64 keys cannot hold (read straight into int64 now): declined, and the exact
+    model's result comes out (below 2**52: run fast, and equal)."""
+    from hyper_parallel.core.pipeline_parallel.ir.steps import MetaStep
+
+    cls = available_schedules()["1f1b"]
+    placement = dict(cls.stage_placement(3, 1))
+
+    def moved(step):
+        subs = None if step.sub_steps is None else tuple(moved(s) for s in step.sub_steps)
+        micro = None if step.micro_index is None else step.micro_index + shift
+        return MetaStep(micro, step.meta_type, step.stage_index, subs)
+
+    for transport in ("plain", "batch"):
+        steps = {rank: [moved(s) for s in ss] for rank, ss in lower(cls.generate(3, 1, 4), placement, transport,
+                                                                     metadata="first").items()}
+        costs, model = _random_costs(7, 3, 3), "stream" if transport == "batch" else "eager"
+        link = lambda kind, stage: costs.message_time((kind, stage, 0))  # noqa: E731
+        compiled = compile_job(steps, placement, costs.step_time, link, lowered=None, wait_at_post=False)
+        assert (compiled is None) == (shift + 4 >= 2 ** 52)  # declined from 2**52 on, as the float path did
+        for mode in ("nodes", "lanes"):
+            with monkeypatch.context() as patch:
+                _force(patch, mode)
+                fast = simulate(steps, placement, costs, model=model)
+            exact = _exact(monkeypatch, steps, placement, costs, model, False)
+            assert _numbers(fast) == _numbers(exact)
+            assert repr(fast.records) == repr(exact.records)
