@@ -256,6 +256,7 @@ class _Plan:
             longest = max(np.diff(_rank_bounds(job, entry_rank[node_of_entry >= 0])).max(initial=0),
                           np.diff(_rank_bounds(job, a["group_rank"][data_groups])).max(initial=0))
             self.lanes = nodes >= LANES_MIN_NODES and nodes >= LANES_MIN_WIDTH * longest
+        self.lanes = self.lanes and bool(job.ranks)
         compiled = a["deps"].shape[0]
         slots = _Slots(nodes, _LANE_SLOTS if self.lanes else _SLOTS, zero if self.lanes else -1,
                        compiled if groups == 0 else _SLOTS)
