@@ -201,16 +201,16 @@ def _rank_bounds(job: CompiledJob, ranks_of: np.ndarray) -> np.ndarray:
 class _Plan:
     """The nodes, their inputs and the chains of a compiled job."""
 
-    def __init__(self, job: CompiledJob, stream: bool, lanes: bool | None) -> None:
+    def __init__(self, job: CompiledJob, wait_at_post: bool, stream: bool, lanes: bool | None) -> None:
         self.job = job
+        self.wait_at_post = wait_at_post
         self.stream = stream
-        self.lanes = lanes
+        self.lanes = lanes  # None: chosen in `_build`
         self.too_wide = False  # a node has more inputs than the run takes
 
     @classmethod
     def make(cls, job: CompiledJob, wait_at_post: bool, stream: bool, lanes: bool | None = None) -> _Plan | None:
-        plan = cls(job, stream, lanes)
-        plan.wait_at_post = wait_at_post
+        plan = cls(job, wait_at_post, stream, lanes)
         if plan._build(wait_at_post):
             return plan
         if plan.lanes and plan.too_wide and lanes is None:  # still worth a try node by node

@@ -9,8 +9,10 @@ add, ...) + duration``, the same additions and the same maximum (a maximum of th
 the same float, in any order) as the loop of ``fast_chain.run_chain``; the others wait for a later
 round. A time not yet known is ``inf``: a node with such an input gets ``inf`` as well, so that its
 lane stays where it is. A round costs a few numpy calls whatever the number of lanes, and the rounds
-are about as many as the longest lane has nodes: with dozens of ranks that is several times cheaper
-than visiting node after node.
+are about as many as the longest lane has nodes where the ranks work side by side: with dozens of
+ranks that is several times cheaper than visiting node after node. Where they wait on each other
+in turn, few lanes move a round: `run_lanes` then stops (given a ``min_rate``) and hands over its
+state, from which the caller goes on node by node (``fast_nodes.py``).
 
 `run_lanes` returns None where no lane can go on before every lane is done (the job does not finish,
 or a time overflowed to ``inf``): the caller then runs the general fast run.
