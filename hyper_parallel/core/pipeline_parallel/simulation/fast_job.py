@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import chain, compress
 from operator import attrgetter
 
 import numpy as np
@@ -51,13 +51,17 @@ _TYPE = attrgetter("meta_type")
 _STAGE = attrgetter("stage_index")
 _MICRO = attrgetter("micro_index")
 _SUBS = attrgetter("sub_steps")
-_OTHER = 7
-_STEP_CODE = {t: _OTHER for t in _T}  # per step type: 0-3 F/B/I/W, 4 OVERLAP, 5 send/recv, 6 BATCH, 7 other
-_STEP_CODE.update(_SIMPLE)
+_OTHER, _META = 7, 8
+_STEP_CODE = {t: _OTHER for t in _T}  # per step type: 0-3 F/B/I/W, 4 OVERLAP, 5 send/recv, 6 BATCH, 7 other,
+_STEP_CODE.update(_SIMPLE)  # 8 metadata send/recv
 _STEP_CODE.update({_T.OVERLAP_B_F: 4, _T.OVERLAP_F_B: 4, _BATCH: 6})
-_STEP_CODE.update(dict.fromkeys(_MESSAGES, 5))
-assert {t for t, c in _STEP_CODE.items() if c in (5, 6)} == {t for t in _T if t.is_comm}  # lowered = any of them
+_STEP_CODE.update({t: _META if t.is_meta else 5 for t in _MESSAGES})
+assert {t for t, c in _STEP_CODE.items() if c in (5, 6, 8)} == {t for t in _T if t.is_comm}  # lowered = any of them
+assert {t for t, c in _STEP_CODE.items() if c == _META} == {t for t in _T if t.is_meta}
 _PART_CODE = {t: k for k, t in enumerate(_MESSAGES)}  # message part type -> row of the tables below
+_TYPE_INDEX = {t: k for k, t in enumerate(_T)}  # a step's type read once, as a number: its code and row follow
+_CODE_OF_TYPE = np.asarray([_STEP_CODE[t] for t in _T], dtype=np.int8)
+_ROW_OF_TYPE = np.asarray([_PART_CODE.get(t, -1) for t in _T], dtype=np.int64)
 _PART_KIND = np.asarray([_KIND_CODE[kind] for kind, _, _ in _MESSAGES.values()], dtype=np.int64)
 _PART_SHIFT = np.asarray([shift for _, shift, _ in _MESSAGES.values()], dtype=np.int64)
 _PART_SEND = np.asarray([send for _, _, send in _MESSAGES.values()], dtype=bool)
@@ -143,9 +147,20 @@ def compile_job(
         return None
 
 
-def _ints(values: list) -> np.ndarray:
-    """Step indices (ints, or None as -1) as an int64 array; Unsupported where one is too large to
-    pass through a float exactly (None becomes NaN there)."""
+def _ints(steps: list[MetaStep], field: attrgetter) -> np.ndarray:
+    """A step index (``field``: ints, or None as -1) of every step as an int64 array; Unsupported
+    where one is too large to pass through a float exactly (None becomes NaN there)."""
+    try:  # nearly always plain ints: read straight into the array
+        array = np.fromiter(map(field, steps), dtype=np.int64, count=len(steps))
+    except (TypeError, ValueError, OverflowError):  # None (or an index an int64 cannot hold)
+        return _ints_of(list(map(field, steps)))
+    if array.size and (int(array.max()) >= 2 ** 52 or int(array.min()) <= -2 ** 52):
+        raise Unsupported  # as below: the same indices are declined either way
+    return array
+
+
+def _ints_of(values: list) -> np.ndarray:
+    """`_ints` of a list that may hold None."""
     array = np.asarray(values, dtype=np.float64)
     if array.size and np.nanmax(np.abs(array), initial=0.0) >= 2.0 ** 52:
         raise Unsupported
@@ -196,10 +211,13 @@ class _Compiler:
             flat.extend(filter(None, self.schedule[rank]))  # a MetaStep is never falsy
             bounds.append(len(flat))
         total = len(flat)
-        codes = np.fromiter(map(_STEP_CODE.__getitem__, map(_TYPE, flat)), dtype=np.int8, count=total)
+        types = np.fromiter(map(_TYPE_INDEX.__getitem__, map(_TYPE, flat)), dtype=np.int8, count=total)
+        codes = _CODE_OF_TYPE[types]
         rank_of = np.repeat(np.asarray(job.ranks, dtype=np.int64), np.diff(bounds))
-        compute_at = np.flatnonzero(codes <= 4)
-        comm_at = np.flatnonzero((codes == 5) | (codes == 6))
+        is_compute = codes <= 4
+        is_comm = (codes == 5) | (codes == 6) | (codes == _META)
+        compute_at = np.flatnonzero(is_compute)
+        comm_at = np.flatnonzero(is_comm)
         if self.lowered is None:  # a send/recv or BATCH step: a lowered list
             self.lowered = bool(comm_at.size)
         if comm_at.size and not self.lowered:
@@ -211,10 +229,11 @@ class _Compiler:
         positions = np.flatnonzero(kept)  # where each program entry sits in `flat`
         entries = entry[positions]
 
-        job.steps = [flat[i] for i in compute_at.tolist()]
+        job.steps = list(compress(flat, is_compute.tolist()))
         compute_codes = codes[compute_at].astype(np.int64)
         compute_rank = rank_of[compute_at]
-        self._comms(job, flat, codes, comm_at, rank_of)
+        job.group_steps = list(compress(flat, is_comm.tolist()))
+        self._comms(job, codes, types, comm_at, rank_of)
         job.arrays.update(code=compute_codes, rank=compute_rank, entries=entries, entry_rank=rank_of[positions],
                           compute_entry=np.searchsorted(positions, compute_at),
                           group_entry=np.searchsorted(positions, comm_at))
@@ -239,21 +258,37 @@ class _Compiler:
             raise Unsupported
         self.extra_durations[number] = float(self.step_time(step))
 
-    def _comms(self, job: CompiledJob, flat: list[MetaStep], codes: np.ndarray, comm_at: np.ndarray,
+    def _comms(self, job: CompiledJob, codes: np.ndarray, types: np.ndarray, comm_at: np.ndarray,
                rank_of: np.ndarray) -> None:
         """The communication steps: their operations (cells), counterparts, message times."""
-        job.group_steps = comms = [flat[i] for i in comm_at.tolist()]
-        batch = (codes[comm_at] == 6).tolist()
-        parts_of = [((subs or ()) if is_batch else (step,)) for step, subs, is_batch in
-                    zip(comms, map(_SUBS, comms), batch)]
-        counts = np.fromiter(map(len, parts_of), dtype=np.int64, count=len(parts_of))
-        job.op_steps = parts = list(chain.from_iterable(parts_of))
+        comms = job.group_steps
+        comm_codes = codes[comm_at]
+        if np.all(comm_codes == 6):  # BATCH steps only: their sub-steps (None: none)
+            parts_of = list(map(_SUBS, comms))
+        elif np.any(comm_codes == 6):  # some: the others are their one operation
+            parts_of = list(map(_SUBS, comms))
+            for k in np.flatnonzero(comm_codes != 6).tolist():
+                parts_of[k] = (comms[k],)
+        else:  # no BATCH: every step is its one operation
+            parts_of = None
+        if parts_of is None:
+            counts = np.ones(len(comms), dtype=np.int64)
+            job.op_steps = parts = list(comms)
+            row = _ROW_OF_TYPE[types[comm_at]]  # their types, read already
+        else:
+            if None in parts_of:  # a BATCH without sub-steps: no operations
+                parts_of = [() if subs is None else subs for subs in parts_of]
+            counts = np.fromiter(map(len, parts_of), dtype=np.int64, count=len(parts_of))
+            job.op_steps = parts = list(chain.from_iterable(parts_of))
+            try:
+                row = np.fromiter(map(_PART_CODE.__getitem__, map(_TYPE, parts)), dtype=np.int64, count=len(parts))
+            except KeyError:
+                raise Unsupported from None  # no message: the exact model raises
         ops = len(parts)
-        row = np.fromiter(map(_PART_CODE.get, map(_TYPE, parts), repeat(-1)), dtype=np.int64, count=ops)
         if np.any(row < 0):
-            raise Unsupported  # no message: the exact model raises
-        stage = _ints(list(map(_STAGE, parts)))
-        micro = _ints(list(map(_MICRO, parts)))
+            raise Unsupported
+        stage = _ints(parts, _STAGE)
+        micro = _ints(parts, _MICRO)
         if np.any(stage < 0) or np.any(micro < 0):
             raise Unsupported
         stages_total = self.num_stages
@@ -264,7 +299,7 @@ class _Compiler:
         key = (micro * stages_total + stage) * 3 + kind
         group = np.repeat(np.arange(len(comms), dtype=np.int64), counts)
         op_rank = np.repeat(rank_of[comm_at], counts)
-        group_meta = np.fromiter((t.is_meta for t in map(_TYPE, comms)), dtype=bool, count=len(comms))
+        group_meta = comm_codes == _META
         send_cells, recv_cells = np.flatnonzero(is_send), np.flatnonzero(~is_send)
         send_order = send_cells[np.argsort(key[send_cells], kind="stable")]
         recv_order = recv_cells[np.argsort(key[recv_cells], kind="stable")]
@@ -303,8 +338,8 @@ class _Compiler:
         count = len(job.steps)
         stages_total = self.num_stages
         simple = code < 4
-        stage = _ints(list(map(_STAGE, job.steps)))
-        micro = _ints(list(map(_MICRO, job.steps)))
+        stage = _ints(job.steps, _STAGE)
+        micro = _ints(job.steps, _MICRO)
         for number in np.flatnonzero(~simple).tolist():
             self._overlap(job.steps[number], number)
         stage[~simple] = 0
@@ -370,10 +405,11 @@ class _Compiler:
         kinds, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
         table = np.asarray([float(self.step_time(job.steps[k])) if kinds[j] < 4 * self.num_stages else 0.0
                             for j, k in enumerate(first.tolist())], dtype=np.float64)
-        durations = table[inverse].tolist()
+        durations = table[inverse]
         for number, value in self.extra_durations.items():
             durations[number] = value
-        return durations
+        job.arrays["durations"] = durations
+        return durations.tolist()
 
 
 def _lookup(sorted_keys: np.ndarray, values: np.ndarray, keys: np.ndarray) -> np.ndarray:
