@@ -49,8 +49,6 @@ _T = MetaStepType
 _BATCH = _T.BATCH_SEND_RECV
 _KIND, _STAGE = itemgetter(0), itemgetter(1)  # of a value
 _FIRST = itemgetter(0)  # of what a step makes: its first value, whose level is the step's
-_new = object.__new__
-_set = object.__setattr__
 
 
 def lower_by_levels(compute: Schedule, stage_to_rank: dict[int, int], metadata: str) -> dict[int, list[MetaStep]] | None:
@@ -217,27 +215,15 @@ def rank_list(flow: Flow, rank: int, level: dict[DataKey, int], metadata: str,
 
 
 def _send(kind: str, stage: int, micro: int) -> MetaStep:
-    """``send_step((kind, stage, micro))`` without MetaStep's checks (plain ints), as ``unchecked_step``."""
-    step = _new(MetaStep)
-    _set(step, "micro_index", micro)
-    _set(step, "meta_type", _T.FWD_SEND if kind == "F" else _T.BWD_SEND)
-    _set(step, "stage_index", stage)
-    _set(step, "sub_steps", None)
-    return step
+    """``send_step((kind, stage, micro))`` without MetaStep's checks (plain ints)."""
+    return unchecked_step(micro, _T.FWD_SEND if kind == "F" else _T.BWD_SEND, stage)
 
 
 def _recv(kind: str, stage: int, micro: int) -> MetaStep:
-    """``recv_step((kind, stage, micro))`` without MetaStep's checks (plain ints), as ``unchecked_step``."""
-    step = _new(MetaStep)
-    _set(step, "micro_index", micro)
+    """``recv_step((kind, stage, micro))`` without MetaStep's checks (plain ints)."""
     if kind == "F":
-        _set(step, "meta_type", _T.FWD_RECV)
-        _set(step, "stage_index", stage + 1)
-    else:
-        _set(step, "meta_type", _T.BWD_RECV)
-        _set(step, "stage_index", stage - 1)
-    _set(step, "sub_steps", None)
-    return step
+        return unchecked_step(micro, _T.FWD_RECV, stage + 1)
+    return unchecked_step(micro, _T.BWD_RECV, stage - 1)
 
 
 def _metas(flow: Flow, rank: int, metadata: str, bounds: Boundaries, mine: list[tuple[int, int]],
